@@ -1,0 +1,48 @@
+"""vllm-mamba2-plugin: serve Mamba2 state-space LMs on vLLM's V1 engine, no vLLM patch.
+
+vLLM calls ``register()`` (entry point ``vllm.general_plugins`` -> ``mamba2``) in every process it starts:
+front end, engine core, workers, and the registry-inspection subprocess. It must therefore be idempotent,
+import little, and never touch CUDA: the model class is registered by its "module:Class" string, so the model
+code (and the CUDA kernels behind it) is imported only where vLLM builds the model.
+"""
+
+__version__ = "0.1.0"
+
+PLUGIN_ARCH = "Mamba2PluginForCausalLM"
+HF_ARCH = "Mamba2ForCausalLM"
+MODEL_CLASS_PATH = "vllm_mamba2_plugin.model:Mamba2PluginForCausalLM"
+MIXER_OP = "vllm::mamba2_plugin_mixer"
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+    from vllm.config.compilation import CompilationConfig
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from . import envs
+    from .manager import Mamba2StateManager
+    from .spec import Mamba2StateSpec
+    from .validation import Mamba2PluginConfig
+
+    archs = [PLUGIN_ARCH] + ([HF_ARCH] if envs.override_in_tree() else [])
+    for arch in archs:
+        # Re-registering an existing name replaces it: this is how the plugin takes over Mamba2ForCausalLM.
+        ModelRegistry.register_model(arch, MODEL_CLASS_PATH)
+        # Sets mamba_block_size and refuses unsupported engine options before any worker starts.
+        MODELS_CONFIG_MAP[arch] = Mamba2PluginConfig
+
+    # Built-in specs register only into an empty registry, so fill it first, then add ours (MRO lookup).
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(Mamba2StateSpec, Mamba2StateManager, uniform_type_base_spec=MambaSpec)
+
+    # Piecewise CUDA graphs split the compiled model at these ops; ours reads per-step state and metadata.
+    if MIXER_OP not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(MIXER_OP)
+    _registered = True

@@ -1,0 +1,126 @@
+"""The plugin's SSM "attention" backend: metadata per step for the Mamba2 mixer layers.
+
+vLLM builds one metadata object per step for each KV-cache group; every mixer layer of the group reads it
+from the forward context under its own prefix. The builder turns the runner's CommonAttentionMetadata into
+what the mixer needs:
+
+    decodes first   rows [0, num_decodes): one token each, resuming a request that already has state;
+                    they go through the one-step conv/SSM updates, batched by state slot.
+    prefills after  rows [num_decodes, num_reqs): everything else, packed varlen (query_start_loc_p), each
+                    with its state slot and a has-initial-state flag (a resumed chunk, or a 1-token row that
+                    the runner sorted among prefills, starts from the state saved in its slot).
+
+The V1 runner puts rows with query_len <= reorder_batch_threshold (= 1) first, but a fresh 1-token prompt
+can sit among them and the V2 runner sorts by its own key. So the decode block is the *leading run* of rows
+that are one token and have state; whatever follows is handled by the prefill path, which is correct for any
+row (it honours has-initial-state), only less specialised.
+
+Slots: with mamba_cache_mode "none" each request owns one block, ``block_table_tensor[:, 0]``. Mamba state
+is never zeroed on allocation, so has-initial-state is what keeps a new request from seeing an old one's state.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from . import compat
+
+
+class Mamba2PluginBackend(compat.AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "MAMBA2_PLUGIN"
+
+    @staticmethod
+    def get_builder_cls() -> type["Mamba2PluginMetadataBuilder"]:
+        return Mamba2PluginMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+    # An SSM backend has no attention implementation and no paged KV layout; vLLM never asks for them
+    # on an is_ssm() backend, but older releases declare them abstract.
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("Mamba2PluginBackend has no attention implementation")
+
+    @staticmethod
+    def get_kv_cache_shape(*args, **kwargs):
+        raise NotImplementedError("Mamba2 state shapes come from Mamba2StateSpec, not a KV-cache shape")
+
+
+@dataclass
+class Mamba2PluginMetadata:
+    """What one engine step tells the Mamba2 mixer layers (shared by every layer of the group)."""
+
+    num_decodes: int
+    num_decode_tokens: int  # == num_decodes (one token each)
+    num_prefills: int
+    num_prefill_tokens: int
+    chunk_size: int
+    state_indices_d: torch.Tensor  # (num_decodes,) int64, state slot of each decode row
+    state_indices_p: torch.Tensor  # (num_prefills,) int64, state slot of each prefill row
+    query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
+    has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
+    # Host copies, so that kernels that loop or size buffers per sequence never sync with the device.
+    query_start_loc_p_cpu: torch.Tensor
+    has_initial_state_p_cpu: torch.Tensor
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+
+def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor) -> int:
+    """Length of the leading run of decode rows: one new token on top of existing state."""
+    is_decode = (query_lens == 1) & (context_lens > 0)
+    if bool(is_decode.all()):
+        return int(is_decode.numel())
+    return int(torch.argmin(is_decode.to(torch.int8)).item())
+
+
+class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
+    # Piecewise CUDA graphs only: the mixer op runs eagerly between the captured pieces.
+    _cudagraph_support = compat.AttentionCGSupport.NEVER
+    # Ask the runner to move one-token rows to the front of the batch.
+    reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config
+        self.device = device
+        self.chunk_size = int(vllm_config.model_config.hf_config.chunk_size)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
+        cam = common_attn_metadata
+        num_reqs = cam.num_reqs
+        qsl_cpu = cam.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        seq_lens_cpu = compat.seq_lens_cpu(cam)[:num_reqs].to(torch.int64)
+        query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+        context_lens = seq_lens_cpu - query_lens
+
+        num_decodes = split_decodes_first(query_lens, context_lens)
+        num_decode_tokens = int(qsl_cpu[num_decodes])
+        num_prefills = num_reqs - num_decodes
+        num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
+
+        slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
+        qsl_p_cpu = (qsl_cpu[num_decodes:] - num_decode_tokens).to(torch.int32)
+        has_init_p_cpu = context_lens[num_decodes:] > 0
+        non_blocking = self.device.type == "cuda"
+        return Mamba2PluginMetadata(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            chunk_size=self.chunk_size,
+            state_indices_d=slots[:num_decodes],
+            state_indices_p=slots[num_decodes:],
+            query_start_loc_p=qsl_p_cpu.to(self.device, non_blocking=non_blocking),
+            has_initial_state_p=has_init_p_cpu.to(self.device, non_blocking=non_blocking),
+            query_start_loc_p_cpu=qsl_p_cpu,
+            has_initial_state_p_cpu=has_init_p_cpu,
+        )

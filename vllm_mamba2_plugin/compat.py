@@ -1,0 +1,129 @@
+"""Every difference between the vLLM releases the plugin supports (0.26 through 0.32), and nothing else.
+
+The rest of the package imports vLLM names from here only, so one file says what moved between releases.
+What differs (DESIGN.md §6), and how it is bridged:
+
+* state tensors on a layer: 0.26's runner assigns ``layer.kv_cache = [conv, ssm]`` (a list of views);
+  0.32 calls ``MambaBase.bind_kv_cache(raw)``, which stores a tuple. ``layer_states`` reads either.
+* MambaSpec: 0.32 adds fields (prefill checkpoints, num_heads, tokens_per_state, tp_replicated), all
+  defaulted. ``make_state_spec`` passes only the fields both releases know.
+* CommonAttentionMetadata: 0.26 has a ``seq_lens_cpu`` property, 0.32 only ``seq_lens_cpu_upper_bound``
+  (exact when speculative decoding is off, which the plugin requires). ``seq_lens_cpu`` picks one.
+* AttentionBackend: 0.26 declares ``get_kv_cache_shape`` abstract; the backend stubs it (harmless on 0.32).
+* forward-context metadata: a dict keyed by layer prefix in both, missing (0.32) or None (0.26) in profile
+  runs, or a list of dicts under micro-batching (refused).
+
+Everything here is imported from the same module path in both releases; this file is where a future
+rename gets its ``try/except ImportError``.
+"""
+
+import torch
+
+from vllm.compilation.decorators import support_torch_compile  # noqa: F401
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: F401
+from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: F401
+from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: F401
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: F401
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.models.config import VerifyAndUpdateConfig  # noqa: F401
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree  # noqa: F401
+from vllm.model_executor.models.utils import maybe_prefix  # noqa: F401
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import (  # noqa: F401
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+# Fields of MambaSpec common to 0.26 and 0.32 that the plugin sets.
+_SPEC_FIELDS = ("shapes", "dtypes", "block_size", "page_size_padded", "mamba_type", "mamba_cache_mode")
+
+
+def plugin_mamba_type() -> MambaAttentionBackendEnum:
+    """The spec's mamba_type. vLLM reads it only to pick state copy functions for prefix caching (refused
+    by the plugin) and to group layers; the layer hands vLLM its backend class directly
+    (``get_attn_backend``), so MAMBA2 (whose copy functions match our layout) is the honest label."""
+    return MambaAttentionBackendEnum.MAMBA2
+
+
+def make_state_spec(spec_cls, *, shapes, dtypes, vllm_config, mamba_type):
+    cache = vllm_config.cache_config
+    if cache.mamba_block_size is None:
+        raise RuntimeError(
+            "vllm-mamba2-plugin: cache_config.mamba_block_size is unset, so the architecture was not "
+            "configured by the plugin (is its entry in MODELS_CONFIG_MAP? was register() called?)"
+        )
+    kwargs = dict(
+        shapes=shapes,
+        dtypes=dtypes,
+        block_size=cache.mamba_block_size,
+        page_size_padded=getattr(cache, "mamba_page_size_padded", None),
+        mamba_type=mamba_type,
+        mamba_cache_mode=getattr(cache, "mamba_cache_mode", "none"),
+    )
+    assert set(kwargs) == set(_SPEC_FIELDS)
+    return spec_cls(**kwargs)
+
+
+def state_dtypes(model_config, cache_config) -> tuple[torch.dtype, torch.dtype]:
+    """(conv state dtype, ssm state dtype): honours --mamba-cache-dtype and --mamba-ssm-cache-dtype."""
+    return tuple(
+        MambaStateDtypeCalculator.mamba2_state_dtype(
+            model_config.dtype, cache_config.mamba_cache_dtype, cache_config.mamba_ssm_cache_dtype
+        )
+    )
+
+
+def mamba2_state_copy_funcs():
+    return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
+
+
+def seq_lens_cpu(cam) -> torch.Tensor:
+    upper = getattr(cam, "seq_lens_cpu_upper_bound", None)
+    if upper is not None:
+        return upper
+    return cam.seq_lens_cpu  # 0.26: a lazily copied property
+
+
+def static_forward_context(prefix: str) -> dict:
+    return get_current_vllm_config().compilation_config.static_forward_context
+
+
+def empty_layer_states() -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([]), torch.tensor([]))
+
+
+def layer_states(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv pool (slots, W-1, conv_dim), ssm pool (slots, H, P, N)) of one layer, in either release."""
+    states = layer.kv_cache
+    return states[0], states[1]
+
+
+def layer_metadata(prefix: str):
+    """This layer's metadata for the current step, or None in profile / dummy runs."""
+    meta = get_forward_context().attn_metadata
+    if meta is None:
+        return None
+    if isinstance(meta, list):
+        raise NotImplementedError("vllm-mamba2-plugin: micro-batching (DBO) is not supported")
+    return meta.get(prefix)
+
+
+def forward_context_layer(layer_name: str):
+    return get_forward_context().no_compile_layers[layer_name]
+
+
+def register_custom_op(name, func, mutates_args, fake_impl) -> None:
+    """Register ``torch.ops.vllm.<name>`` once per process (re-imports must not re-register)."""
+    if hasattr(torch.ops.vllm, name):
+        return
+    direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl)

@@ -1,0 +1,39 @@
+"""The plugin's environment switches, read in one place.
+
+VLLM_MAMBA2_PLUGIN_OVERRIDE   "1" (default): the plugin serves the stock HF architecture name
+                              ``Mamba2ForCausalLM``. "0": vLLM's in-tree Mamba2 keeps that name, and the plugin
+                              answers only to its own name (``Mamba2PluginForCausalLM``), so both can be compared
+                              in one environment (``hf_overrides={"architectures": ["Mamba2PluginForCausalLM"]}``).
+VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
+                              reference elsewhere. "reference": the reference everywhere (debugging, oracles).
+"""
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean: set it to 1 or 0")
+
+
+def override_in_tree() -> bool:
+    return _flag("VLLM_MAMBA2_PLUGIN_OVERRIDE", True)
+
+
+def kernel_choice() -> str:
+    value = os.environ.get("VLLM_MAMBA2_PLUGIN_KERNELS", "auto").strip().lower() or "auto"
+    if value not in ("auto", "reference"):
+        raise ValueError(
+            f"VLLM_MAMBA2_PLUGIN_KERNELS={value!r} is not supported: use 'auto' or 'reference'"
+        )
+    return value

@@ -1,0 +1,446 @@
+"""Plain-PyTorch Mamba-2 kernels: the CPU compute path of the plugin and the oracle for the CUDA path.
+
+No vLLM, no mamba_ssm: only torch. Everything runs on whatever device the inputs live on, but it is written
+for CPU (float32 and bfloat16 inputs; all arithmetic is done in float32).
+
+Notation follows the Mamba-2 paper ("Transformers are SSMs", Dao & Gu 2024) and mamba-ssm's
+``modules/ssd_minimal.py``:
+
+    T  packed tokens (all sequences of the batch back to back)      S  sequences, bounds in cu_seqlens (S+1,)
+    H  heads            P  head dim            G  B/C groups (head h reads group h // (H // G))
+    N  state size       W  conv width          D  conv channels (conv_dim) -- or the skip vector D(H,)
+    l / s  positions inside a chunk (l = output/target, s = source),  c  chunk index
+
+The selective SSM, per head, with a scalar-times-identity A (the SSD restriction):
+
+    h_t = exp(dt_t * A) h_{t-1} + dt_t * x_t ⊗ B_t          h: (P, N)
+    y_t = h_t · C_t  (+ D * x_t)
+
+Unrolled, y_l = sum_{s <= l} (C_l · B_s) * exp(sum_{k=s+1..l} dt_k A) * dt_s x_s + C_l · (decay_{0..l} h_0),
+a masked (causal) "attention" whose mask is the 1-semiseparable decay matrix L = exp(segsum(dt A)).
+The chunked algorithm computes that quadratic form inside chunks and passes states between chunks.
+
+State layouts match what vLLM allocates per slot (see DESIGN.md §3):
+    conv state (W-1, D)  -- the last W-1 inputs, oldest first, channel innermost ("SD" layout)
+    ssm state  (H, P, N)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "segsum",
+    "ssd_chunk_scan",
+    "causal_conv1d",
+    "conv_update",
+    "ssm_state_update",
+    "process_dt",
+    "gated_rms_norm",
+]
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def segsum(a: torch.Tensor) -> torch.Tensor:
+    """Stable segment sum: out[..., i, j] = sum_{k=j+1..i} a[..., k] for i >= j, -inf above the diagonal.
+
+    a: (..., L)  ->  (..., L, L)
+
+    exp(segsum(a)) is the 1-semiseparable decay matrix L of the paper (zero above the diagonal).
+    Computed as a masked cumsum rather than ``cumsum[i] - cumsum[j]`` so that no large, nearly equal partial
+    sums are subtracted (same trick as ssd_minimal.segsum).
+    """
+    L = a.size(-1)
+    a = a[..., None].expand(*a.shape, L)  # (..., L(i), L(j)) with value a[i]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
+    a = a.masked_fill(~strict, 0.0)  # keep a[i] only for j < i, i.e. k in (j, i]
+    out = torch.cumsum(a, dim=-2)  # sum over i' <= i of a[i'] (for i' > j)
+    lower = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(0)
+    return out.masked_fill(~lower, float("-inf"))
+
+
+def _seq_lens(cu_seqlens: torch.Tensor) -> list:
+    # The one host sync we cannot avoid: chunk counts and gather indices are shape decisions.
+    cu = cu_seqlens.tolist()
+    if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    return cu
+
+
+def _select_initial(
+    initial_states: Optional[torch.Tensor],
+    has_initial_state: Optional[torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Per-sequence start state: initial_states where has_initial_state, else zeros.
+
+    vLLM never zeroes a state slot on allocation, so a fresh request's slot may hold anything, NaN included.
+    torch.where (not a multiply by 0/1) keeps such garbage out: NaN * 0 is still NaN.
+    """
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    if initial_states is None:
+        return zeros
+    init = initial_states.to(dtype)
+    if tuple(init.shape) != tuple(shape):
+        raise ValueError(f"initial_states has shape {tuple(init.shape)}, expected {tuple(shape)}")
+    if has_initial_state is None:
+        return init
+    keep = has_initial_state.to(device=device, dtype=torch.bool).view(-1, *([1] * (len(shape) - 1)))
+    return torch.where(keep, init, zeros)
+
+
+def _groups(H: int, G: int) -> int:
+    if G <= 0 or H % G != 0:
+        raise ValueError(f"nheads ({H}) must be a multiple of ngroups ({G})")
+    return H // G
+
+
+# --------------------------------------------------------------------------------------------------------
+# SSD (selective state space, Mamba-2) scan
+# --------------------------------------------------------------------------------------------------------
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    D: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan over a packed varlen batch.
+
+    x: (T, H, P)  dt: (T, H) already processed (softplus(dt+bias), clamped) -- positive step sizes
+    A: (H,) negative reals   B, C: (T, G, N) with H % G == 0 (head h uses group h // (H//G))
+    cu_seqlens: (S+1,) int  sequence boundaries in the packed token dim
+    initial_states: (S, H, P, N) or None; has_initial_state: (S,) bool or None (None = all True if
+      initial_states given). Rows with has_initial_state False start from zeros EVEN IF initial_states holds
+      garbage (NaN/inf included).
+    D: (H,) (or (H, P)) or None -> y += D[h] * x
+    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) float32
+    Tokens outside [cu_seqlens[0], cu_seqlens[-1]) (e.g. padding) get y = 0.
+
+    Recurrence: h_t = exp(dt_t*A) h_{t-1} + dt_t * x_t ⊗ B_t ; y_t = h_t · C_t (+ D x_t).
+
+    Algorithm (ssd_minimal, made varlen): each sequence is cut into chunks of chunk_size (the last one padded
+    with dt = 0, x = B = C = 0: a padded step has decay exp(0) = 1 and no input, so it changes no state and
+    its output is dropped). All chunks of all sequences are then processed together:
+      1. intra-chunk outputs, the quadratic masked form  Y_diag = (C B^T ∘ L) (dt x)
+      2. each chunk's own end state, as if it started from zero
+      3. inter-chunk state passing: a short sequential loop over chunk index, all sequences at once
+      4. the contribution of the incoming state to each chunk's outputs  Y_off = C · (decay h_prev)
+    """
+    T, H, P = x.shape
+    G, N = B.shape[-2], B.shape[-1]
+    R = _groups(H, G)  # heads per group
+    cs = int(chunk_size)
+    if cs <= 0:
+        raise ValueError("chunk_size must be positive")
+    dev = x.device
+    f32 = torch.float32
+
+    cu = _seq_lens(cu_seqlens)
+    S = len(cu) - 1
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    nch = [(n + cs - 1) // cs for n in lens]
+    n_chunks = sum(nch)
+    max_nch = max(nch, default=0)
+
+    h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
+
+    if n_chunks == 0:
+        return x.new_zeros(T, H, P), h0.clone()
+
+    # ---- gather tokens into (c, l) chunk layout; index T points at an all-zero pad row ----------------
+    seq_lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+    seq_start_t = torch.tensor(cu[:-1], dtype=torch.long, device=dev)
+    chunk_seq = torch.repeat_interleave(torch.arange(S, device=dev), torch.tensor(nch, device=dev))  # (c,)
+    first_chunk = torch.tensor([0] + nch[:-1], dtype=torch.long, device=dev).cumsum(0)  # (S,)
+    chunk_k = torch.arange(n_chunks, device=dev) - first_chunk[chunk_seq]  # chunk index within its sequence
+    pos = chunk_k[:, None] * cs + torch.arange(cs, device=dev)[None, :]  # (c, l) position within sequence
+    valid = pos < seq_lens_t[chunk_seq][:, None]
+    tok = torch.where(valid, seq_start_t[chunk_seq][:, None] + pos, torch.full_like(pos, T))  # (c, l)
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(f32)
+        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)  # pad row at index T
+        return t[tok]  # (c, l, ...)
+
+    xc = chunked(x).view(n_chunks, cs, G, R, P)  # (c, l, g, r, p)
+    dtc = chunked(dt).view(n_chunks, cs, G, R)  # (c, l, g, r)
+    Bc = chunked(B)  # (c, l, g, n)
+    Cc = chunked(C)  # (c, l, g, n)
+    Af = A.to(f32).view(G, R)
+
+    # Discretisation (ZOH for A, Euler for B as in Mamba-2): Ā = exp(dt A), B̄ x = dt x B.
+    dA = (dtc * Af).permute(0, 2, 3, 1)  # (c, g, r, l): log-decay of each step, <= 0
+    dA_cumsum = torch.cumsum(dA, dim=-1)  # (c, g, r, l): log-decay from chunk start to l (inclusive)
+    xdt = xc * dtc[..., None]  # (c, l, g, r, p)
+
+    # 1. Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l·B_s) exp(segsum)_{l,s} dt_s x_s.
+    #    C_l·B_s depends only on the group, so compute it once per group and broadcast over its R heads.
+    CB = torch.einsum("clgn,csgn->cgls", Cc, Bc)  # (c, g, l, s)
+    Lmat = torch.exp(segsum(dA))  # (c, g, r, l, s), zero above the diagonal
+    Y_diag = torch.einsum("cgrls,csgrp->clgrp", CB[:, :, None] * Lmat, xdt)
+
+    # 2. Each chunk's end state from its own inputs: sum_s exp(dA_cumsum[-1] - dA_cumsum[s]) dt_s x_s ⊗ B_s.
+    decay_to_end = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)  # (c, g, r, l)
+    chunk_states = torch.einsum("clgn,cgrl,clgrp->cgrpn", Bc, decay_to_end, xdt)  # (c, g, r, p, n)
+    chunk_decay = torch.exp(dA_cumsum[..., -1])  # (c, g, r): total decay across the chunk
+
+    # 3. Inter-chunk recurrence h_c = decay_c h_{c-1} + states_c, sequentially over the chunk index but for
+    #    all sequences at once. Scatter into an (S, max_nch) grid; missing chunks are identity steps
+    #    (decay 1, no input), so after the loop h is every sequence's final state (h0 for empty sequences).
+    grid = chunk_seq * max_nch + chunk_k  # (c,) flat position in the (S, max_nch) grid
+    decay_grid = torch.ones(S * max_nch, G, R, dtype=f32, device=dev)
+    decay_grid[grid] = chunk_decay
+    states_grid = torch.zeros(S * max_nch, G, R, P, N, dtype=f32, device=dev)
+    states_grid[grid] = chunk_states
+    decay_grid = decay_grid.view(S, max_nch, G, R, 1, 1)
+    states_grid = states_grid.view(S, max_nch, G, R, P, N)
+
+    h = h0.view(S, G, R, P, N)
+    incoming = []  # state entering chunk k, per sequence
+    for k in range(max_nch):
+        incoming.append(h)
+        h = decay_grid[:, k] * h + states_grid[:, k]
+    final_states = h.reshape(S, H, P, N)
+    h_prev = torch.stack(incoming, dim=1).view(S * max_nch, G, R, P, N)[grid]  # (c, g, r, p, n)
+
+    # 4. Incoming state's contribution: y_l += C_l · (exp(dA_cumsum[l]) h_prev).
+    Y_off = torch.einsum("clgn,cgrpn,cgrl->clgrp", Cc, h_prev, torch.exp(dA_cumsum))
+
+    Y = Y_diag + Y_off
+    if D is not None:
+        Df = D.to(f32)
+        Df = (Df[:, None] if Df.dim() == 1 else Df).view(G, R, -1)  # (g, r, 1 or p)
+        Y = Y + xc * Df
+
+    # Scatter back to packed order; every pad position writes the dummy row T, which is dropped.
+    y = torch.zeros(T + 1, H, P, dtype=f32, device=dev)
+    y[tok.reshape(-1)] = Y.reshape(n_chunks * cs, H, P)
+    return y[:T].to(x.dtype), final_states
+
+
+# --------------------------------------------------------------------------------------------------------
+# depthwise causal conv1d
+# --------------------------------------------------------------------------------------------------------
+
+
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported activation {activation!r}")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over a packed varlen batch.
+
+    x: (T, D)  weight: (D, W)  bias: (D,) or None
+    initial_states: (S, W-1, D) or None -- the last W-1 inputs before each sequence, oldest first
+      ("SD" layout: dim innermost)
+    has_initial_state: (S,) bool or None -- rows with False use zeros (garbage-safe)
+    activation: "silu" or None
+    returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype: the last W-1 inputs of each
+      sequence, including initial-state entries when the sequence is shorter than W-1 (zeros if no initial
+      state). Tokens outside [cu_seqlens[0], cu_seqlens[-1]) get out = 0.
+
+    out_t = act(bias + sum_{k=0..W-1} weight[:, k] * u_{t-(W-1)+k}), where u is the sequence preceded by its
+    W-1 state inputs; weight[:, W-1] multiplies the current token (causal-conv1d / nn.Conv1d convention).
+
+    Implementation: lay the batch out as [state_0, seq_0, state_1, seq_1, ...] (each state W-1 rows), take
+    all length-W windows with unfold, and keep the window ending at every real token.
+    """
+    T, Dm = x.shape
+    W = weight.shape[-1]
+    K = W - 1
+    dev = x.device
+    f32 = torch.float32
+
+    cu = _seq_lens(cu_seqlens)
+    S = len(cu) - 1
+    if cu[0] != 0 and S > 0:
+        raise ValueError("cu_seqlens must start at 0")
+    T_used = cu[-1] if S > 0 else 0
+    if T_used > T:
+        raise ValueError(f"cu_seqlens ends at {T_used} but x has only {T} tokens")
+
+    init = _select_initial(initial_states, has_initial_state, (S, K, Dm), f32, dev)  # (S, K, D)
+    if T_used == 0:  # nothing to convolve: every final state is its (selected) initial state
+        return x.new_zeros(T, Dm), init.to(x.dtype)
+
+    lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], dtype=torch.long, device=dev)
+    seq_of_tok = torch.repeat_interleave(torch.arange(S, device=dev), lens)  # (T_used,)
+    # Row of token t in the extended layout: shifted by the K state rows of its own and every earlier sequence.
+    tok_row = torch.arange(T_used, device=dev) + (seq_of_tok + 1) * K
+    # Rows of sequence s's state block: cu[s] + s*K + j.
+    state_row = (torch.tensor(cu[:-1], dtype=torch.long, device=dev) + torch.arange(S, device=dev) * K)[
+        :, None
+    ] + torch.arange(K, device=dev)[None, :]  # (S, K)
+
+    ext = torch.zeros(T_used + S * K, Dm, dtype=f32, device=dev)
+    ext[tok_row] = x[:T_used].to(f32)
+    ext[state_row.reshape(-1)] = init.reshape(S * K, Dm)
+
+    # The window ending at tok_row starts K rows earlier (unfold window i covers rows i..i+K).
+    windows = ext.unfold(0, W, 1)  # (rows - K, D, W)
+    win = windows[tok_row - K]  # (T_used, D, W)
+    y = (win * weight.to(f32)).sum(-1)
+    if bias is not None:
+        y = y + bias.to(f32)
+    y = _activate(y, activation)
+
+    out = x.new_zeros(T, Dm)
+    out[:T_used] = y.to(x.dtype)
+
+    # Final state: the last K rows of each [state_s, seq_s] block (which reach into state_s when len < K).
+    end_row = torch.tensor(cu[1:], dtype=torch.long, device=dev) + (torch.arange(S, device=dev) + 1) * K
+    final_rows = end_row[:, None] - K + torch.arange(K, device=dev)[None, :]  # (S, K)
+    final_states = ext[final_rows.reshape(-1)].view(S, K, Dm).to(x.dtype)
+    return out, final_states
+
+
+def conv_update(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    state_indices: torch.Tensor,
+    activation: Optional[str] = "silu",
+) -> torch.Tensor:
+    """One decode step for a batch of requests, updating the state pool in place.
+
+    x: (B, D)  conv_states: (num_slots, W-1, D) pool, modified in place at rows state_indices
+    weight: (D, W)  bias: (D,) or None
+    state_indices: (B,) int64 slot per row (must be valid slots; duplicates only for padding rows whose
+      state is thrown away, e.g. vLLM's null block 0). Returns out (B, D) in x.dtype.
+    """
+    idx = state_indices.to(device=conv_states.device, dtype=torch.long)
+    f32 = torch.float32
+    state = conv_states[idx].to(f32)  # (B, W-1, D), a gathered copy
+    window = torch.cat([state, x.to(f32)[:, None, :]], dim=1)  # (B, W, D), oldest first
+    y = torch.einsum("bwd,dw->bd", window, weight.to(f32))
+    if bias is not None:
+        y = y + bias.to(f32)
+    y = _activate(y, activation)
+    # Shift left by one: drop the oldest input, append the current one.
+    conv_states[idx] = window[:, 1:].to(conv_states.dtype)
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# SSM one-step update (decode)
+# --------------------------------------------------------------------------------------------------------
+
+
+def ssm_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state_indices: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decode step of the SSM recurrence, updating the pool in place.
+
+    ssm_states: (num_slots, H, P, N) pool (any float dtype; compute in float32, store back in pool dtype)
+    x: (B, H, P)  dt: (B, H) processed step sizes  A: (H,)  B, C: (B, G, N)  state_indices: (B,) int64
+    D: (H,) (or (H, P)) or None
+    returns y: (B, H, P) in x.dtype.
+
+    h = exp(dt A) h + dt x ⊗ B ;  y = h · C + D x. y is read from the float32 state before it is rounded to
+    the pool dtype (as mamba-ssm's selective_state_update does).
+    """
+    Bsz, H, P = x.shape
+    G, N = B.shape[-2], B.shape[-1]
+    R = _groups(H, G)
+    f32 = torch.float32
+    idx = state_indices.to(device=ssm_states.device, dtype=torch.long)
+
+    h = ssm_states[idx].to(f32).view(Bsz, G, R, P, N)
+    dtf = dt.to(f32).view(Bsz, G, R)
+    xf = x.to(f32).view(Bsz, G, R, P)
+    Bf = B.to(f32)  # (B, g, n), shared by the R heads of a group
+    Cf = C.to(f32)
+
+    decay = torch.exp(dtf * A.to(f32).view(G, R))  # (B, g, r)
+    h = decay[..., None, None] * h + (xf * dtf[..., None])[..., None] * Bf[:, :, None, None, :]
+    y = torch.einsum("bgrpn,bgn->bgrp", h, Cf)
+    if D is not None:
+        Df = D.to(f32)
+        Df = (Df[:, None] if Df.dim() == 1 else Df).view(G, R, -1)
+        y = y + xf * Df
+    ssm_states[idx] = h.view(Bsz, H, P, N).to(ssm_states.dtype)
+    return y.view(Bsz, H, P).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# small pieces of the mixer
+# --------------------------------------------------------------------------------------------------------
+
+
+def process_dt(
+    dt_raw: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """softplus(dt_raw + dt_bias) in float32, clamped to dt_limit (HF Mamba2 time_step_limit).
+
+    dt_raw: (..., H)  dt_bias: (H,)  returns float32 (..., H).
+    softplus uses torch's default threshold 20 (linear above it), as mamba-ssm's kernels do.
+    """
+    dt = F.softplus(dt_raw.to(torch.float32) + dt_bias.to(torch.float32))
+    lo, hi = dt_limit
+    if lo != 0.0 or hi != float("inf"):  # softplus > 0 already: the default limit is a no-op
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+) -> torch.Tensor:
+    """Mamba2 gated RMSNorm with norm_before_gate=False: y = rmsnorm_per_group(x * silu(z)) * weight.
+
+    x, z: (T, d_inner) (any leading dims); weight: (d_inner,); the RMS is taken over each contiguous group of
+    group_size channels (group_size = d_inner // n_groups) -- as mamba-ssm's RMSNormGated(group_size=...) and
+    vLLM do (NOT over the whole width as HF transformers' CPU path does; see DESIGN.md §7: that is only
+    equivalent for n_groups == 1). Compute in float32, return x.dtype. z = None means no gate.
+    """
+    d = x.shape[-1]
+    if group_size <= 0 or d % group_size != 0:
+        raise ValueError(f"d_inner ({d}) must be a multiple of group_size ({group_size})")
+    h = x.to(torch.float32)
+    if z is not None:
+        h = h * F.silu(z.to(torch.float32))
+    hg = h.view(*h.shape[:-1], d // group_size, group_size)
+    hg = hg * torch.rsqrt(hg.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (hg.view(h.shape) * weight.to(torch.float32)).to(x.dtype)

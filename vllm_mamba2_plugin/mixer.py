@@ -1,0 +1,166 @@
+"""The Mamba2 mixer layer (a vLLM MambaBase) and the custom op that runs its conv + SSM + gated norm.
+
+Per token t of a request (Mamba-2 paper, HF/mamba-ssm weight layout):
+
+    [z | xBC | dt] = in_proj(u_t)                      z: d_inner, xBC: conv_dim = d_inner + 2·G·N, dt: H
+    xBC            = silu(causal_conv1d(xBC) + b)      depthwise, width W, state = last W-1 inputs
+    [x | B | C]    = xBC                               x: (H, P), B, C: (G, N)
+    dt             = clamp(softplus(dt + dt_bias), time_step_limit)
+    h              = exp(dt·A)·h + dt·x⊗B ,  y = h·C + D·x        A = -exp(A_log), h: (H, P, N)
+    out            = out_proj(rmsnorm_per_group(y · silu(z)) · w)
+
+The conv + SSM + norm part reads and writes the per-request state, so it runs inside one registered custom op:
+torch.compile treats the op as opaque and vLLM splits its piecewise CUDA graphs there (the op's name is in
+CompilationConfig's splitting ops, see ``register()``), and the op itself runs eagerly with the step's
+metadata from the forward context. in_proj and out_proj stay outside, in the compiled graph.
+"""
+
+import torch
+from torch import nn
+
+from . import compat
+from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
+from .kernels import get_kernels
+from .spec import Mamba2StateSpec
+
+OP_NAME = "mamba2_plugin_mixer"
+
+
+def state_shapes(conv_kernel, conv_dim, num_heads, head_dim, state_size):
+    """(conv state, ssm state) shapes of one slot: ((W-1, conv_dim), (H, P, N))."""
+    return (conv_kernel - 1, conv_dim), (num_heads, head_dim, state_size)
+
+
+class Mamba2Mixer(compat.MambaBase, nn.Module):
+    def __init__(self, config, model_config, cache_config, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.n_groups = config.n_groups
+        self.state_size = config.state_size
+        self.conv_kernel = config.conv_kernel
+        self.d_inner = self.num_heads * self.head_dim
+        self.conv_dim = self.d_inner + 2 * self.n_groups * self.state_size
+        self.norm_eps = config.layer_norm_epsilon
+        self.norm_group_size = self.d_inner // self.n_groups
+        limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        self.dt_limit = (float(limit[0]), float(limit[1]))
+        self.model_config = model_config
+        self.cache_config = cache_config
+
+        # Parameter names follow the HF checkpoint (in_proj, conv1d, dt_bias, A_log -> A, D, norm, out_proj).
+        self.in_proj = nn.Linear(
+            self.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=config.use_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=config.use_conv_bias
+        )
+        # A, D and dt_bias stay float32 whatever the model dtype: they enter exp() and softplus().
+        self.A = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(self.d_inner), requires_grad=False)
+        self.out_proj = nn.Linear(self.d_inner, self.hidden_size, bias=config.use_bias)
+
+        # vLLM finds its attention-like layers (to bind state and build metadata) through this dict.
+        static_ctx = compat.static_forward_context(prefix)
+        if prefix in static_ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        static_ctx[prefix] = self
+        self.kv_cache = compat.empty_layer_states()
+
+    # ---- MambaBase: what state this layer needs ------------------------------------------------------
+    def get_state_shape(self):
+        return state_shapes(self.conv_kernel, self.conv_dim, self.num_heads, self.head_dim, self.state_size)
+
+    def get_state_dtype(self):
+        return compat.state_dtypes(self.model_config, self.cache_config)
+
+    @property
+    def mamba_type(self):
+        return compat.plugin_mamba_type()
+
+    def get_kv_cache_spec(self, vllm_config):
+        return compat.make_state_spec(
+            Mamba2StateSpec,
+            shapes=tuple(self.get_state_shape()),
+            dtypes=tuple(self.get_state_dtype()),
+            vllm_config=vllm_config,
+            mamba_type=self.mamba_type,
+        )
+
+    def get_attn_backend(self):
+        return Mamba2PluginBackend
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        projected = self.in_proj(hidden_states)
+        out = torch.empty(
+            (hidden_states.shape[0], self.d_inner), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        torch.ops.vllm.mamba2_plugin_mixer(projected, out, self.prefix)
+        return self.out_proj(out)
+
+    def conv_ssm_forward(self, projected: torch.Tensor, out: torch.Tensor) -> None:
+        meta = compat.layer_metadata(self.prefix)
+        if meta is None:
+            # Profile / dummy run: no requests, no state. Only the output shape matters.
+            out.zero_()
+            return
+        assert isinstance(meta, Mamba2PluginMetadata), type(meta)
+        k = get_kernels(projected.device)
+        conv_state, ssm_state = compat.layer_states(self)
+        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
+        conv_w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        conv_b = self.conv1d.bias
+
+        nd, n_tok = meta.num_decode_tokens, meta.num_actual_tokens
+        z, xBC, dt = torch.split(projected[:n_tok], [self.d_inner, self.conv_dim, H], dim=-1)
+        y = torch.empty((n_tok, H, P), dtype=projected.dtype, device=projected.device)
+
+        def split_xbc(t):
+            x, B, C = torch.split(t, [self.d_inner, G * N, G * N], dim=-1)
+            return x.reshape(-1, H, P), B.reshape(-1, G, N), C.reshape(-1, G, N)
+
+        if meta.num_decodes > 0:
+            slots = meta.state_indices_d
+            xBC_d = k.conv_update(xBC[:nd], conv_state, conv_w, conv_b, slots, activation="silu")
+            x_d, B_d, C_d = split_xbc(xBC_d)
+            dt_d = k.process_dt(dt[:nd], self.dt_bias, self.dt_limit)
+            y[:nd] = k.ssm_state_update(ssm_state, x_d, dt_d, self.A, B_d, C_d, slots, D=self.D)
+
+        if meta.num_prefills > 0:
+            slots = meta.state_indices_p
+            xBC_p, conv_final = k.causal_conv1d(
+                xBC[nd:n_tok], conv_w, conv_b, meta.query_start_loc_p,
+                initial_states=conv_state[slots], has_initial_state=meta.has_initial_state_p,
+                activation="silu",
+            )
+            conv_state[slots] = conv_final.to(conv_state.dtype)
+            x_p, B_p, C_p = split_xbc(xBC_p)
+            dt_p = k.process_dt(dt[nd:n_tok], self.dt_bias, self.dt_limit)
+            y_p, ssm_final = k.ssd_chunk_scan(
+                x_p, dt_p, self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
+                initial_states=ssm_state[slots], has_initial_state=meta.has_initial_state_p, D=self.D,
+            )
+            ssm_state[slots] = ssm_final.to(ssm_state.dtype)
+            y[nd:n_tok] = y_p
+
+        out[:n_tok] = k.gated_rms_norm(y.view(n_tok, self.d_inner), z, self.norm.weight, self.norm_eps,
+                                       self.norm_group_size)
+        out[n_tok:] = 0
+
+
+def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    layer = compat.forward_context_layer(layer_name)
+    layer.conv_ssm_forward(projected_states, output)
+
+
+def _fake(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+compat.register_custom_op(OP_NAME, mamba2_plugin_mixer, mutates_args=["output"], fake_impl=_fake)

@@ -1,0 +1,169 @@
+"""Mamba2PluginForCausalLM: a causal LM over the plugin's mixer layers, reading stock HF Mamba2 checkpoints.
+
+    embeddings -> N x [ RMSNorm -> Mamba2Mixer -> + residual ] -> RMSNorm (norm_f) -> lm_head
+
+Checkpoint names (HF ``Mamba2ForCausalLM``; mamba-ssm's ``backbone.embedding.weight`` is accepted too):
+    backbone.embeddings.weight, backbone.norm_f.weight, lm_head.weight (absent when tied)
+    backbone.layers.{i}.norm.weight
+    backbone.layers.{i}.mixer.{in_proj.weight, in_proj.bias?, conv1d.weight, conv1d.bias?, dt_bias,
+                               A_log, D, norm.weight, out_proj.weight, out_proj.bias?}
+A_log is stored as A = -exp(A_log) at load time. Missing, unknown or mis-shaped weights raise one error that
+lists them.
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import compat
+from .mixer import Mamba2Mixer, state_shapes
+from .validation import ERROR_PREFIX, check_hf_config
+
+
+class Mamba2DecoderLayer(nn.Module):
+    def __init__(self, config, model_config, cache_config, prefix: str):
+        super().__init__()
+        self.mixer = Mamba2Mixer(config, model_config, cache_config, prefix=f"{prefix}.mixer")
+        self.norm = compat.RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.norm(hidden_states)
+        else:
+            hidden_states, residual = self.norm(hidden_states, residual)
+        return self.mixer(hidden_states), residual
+
+
+@compat.support_torch_compile
+class Mamba2Backbone(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.embeddings = compat.VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Mamba2DecoderLayer(config, vllm_config.model_config, vllm_config.cache_config,
+                               prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm_f = compat.RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embeddings(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual)
+        hidden_states, _ = self.norm_f(hidden_states, residual)
+        return hidden_states
+
+
+def _state_shapes_from_config(vllm_config):
+    c = vllm_config.model_config.hf_config
+    conv_dim = c.num_heads * c.head_dim + 2 * c.n_groups * c.state_size
+    return state_shapes(c.conv_kernel, conv_dim, c.num_heads, c.head_dim, c.state_size)
+
+
+class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentionFree):
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        return _state_shapes_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return compat.state_dtypes(vllm_config.model_config, vllm_config.cache_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return compat.mamba2_state_copy_funcs()
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_hf_config(config)
+        self.config = config
+        self.backbone = Mamba2Backbone(vllm_config=vllm_config, prefix=compat.maybe_prefix(prefix, "backbone"))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = compat.ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=compat.maybe_prefix(prefix, "lm_head")
+        )
+        if self.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.backbone.embeddings)
+        self.logits_processor = compat.LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(input_ids)
+
+    get_input_embeddings = embed_input_ids  # the name vLLM 0.26 calls
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return self.backbone(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states, *args, **kwargs)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _checkpoint_to_param_name(name: str) -> str:
+        if name.startswith("model."):  # some exports prefix the backbone as "model."
+            name = "backbone." + name[len("model."):]
+        if name == "backbone.embedding.weight":  # mamba-ssm naming
+            name = "backbone.embeddings.weight"
+        if name.endswith(".mixer.A_log"):
+            name = name[: -len("A_log")] + "A"
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        bad_shape: list[str] = []
+        for ckpt_name, tensor in weights:
+            name = self._checkpoint_to_param_name(ckpt_name)
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding matrix is the head
+            param = params.get(name)
+            if param is None:
+                unexpected.append(ckpt_name)
+                continue
+            if ckpt_name.endswith("A_log"):
+                tensor = -torch.exp(tensor.float())
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # vLLM's vocab-parallel layers pad the vocab dimension
+                if tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:] or \
+                        tensor.shape[0] > param.shape[0]:
+                    bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+                    continue
+                loader(param, tensor)
+            else:
+                if tensor.shape != param.shape:
+                    bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+                    continue
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        missing = sorted(n for n in params if n not in loaded
+                         and not (self.tie_word_embeddings and n == "lm_head.weight"))
+        if unexpected or bad_shape or missing:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            if unexpected:
+                parts.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+            if bad_shape:
+                parts.append(f"wrong shape {bad_shape[:8]}")
+            raise ValueError(
+                f"{ERROR_PREFIX}: the checkpoint does not match the Mamba2 model its config.json describes: "
+                + "; ".join(parts)
+                + ". Check that config.json (hidden_size, num_heads, head_dim, n_groups, state_size, "
+                "conv_kernel, use_bias, use_conv_bias, tie_word_embeddings) belongs to these weights."
+            )
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded

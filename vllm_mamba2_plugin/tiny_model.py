@@ -1,0 +1,190 @@
+"""Builds small random Mamba2 checkpoints in the stock HF format, deterministically, with a tokenizer.
+
+They stand in for real checkpoints where none can be downloaded (CI, the README's first command): a
+``config.json`` with ``architectures: ["Mamba2ForCausalLM"]``, ``model.safetensors`` with HF weight names, and
+a byte-level BPE tokenizer trained on the text below. Weights are scaled so that next-token distributions are
+peaky and input-dependent (logit std of a few units), so greedy ties cannot hide or fake agreement between
+implementations, and the recurrence has a real memory (decays spread over [0.5, 0.99] per step).
+
+    python -m vllm_mamba2_plugin.tiny_model OUT_DIR [--preset default|test] [--n-groups 2] ...
+"""
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+CORPUS = """\
+State space models read a sequence one token at a time and carry a fixed-size state from step to step.
+Mamba made the state transition depend on the input, so the model can choose what to remember and what to
+forget. Mamba-2 restricted the transition to a scalar times the identity for each head, which turns the scan
+into structured matrix multiplications: inside a chunk the model computes a masked attention-like product,
+and between chunks it passes the state along. Serving such a model is different from serving a transformer.
+There is no key-value cache that grows with the prompt; each request owns a constant amount of memory, a
+convolution window and a state per layer. A prompt can be split into pieces and resumed from the saved
+state. A new request must never see an old request's state. The quick brown fox jumps over the lazy dog.
+The rain in Spain stays mainly in the plain. To be or not to be, that is the question. One, two, three,
+four, five, six, seven, eight, nine, ten. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.
+"""
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+
+
+@dataclass
+class TinyMamba2Spec:
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_heads: int = 8
+    head_dim: int = 16
+    n_groups: int = 1
+    state_size: int = 16
+    conv_kernel: int = 4
+    chunk_size: int = 8
+    vocab_size: int = 512
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    tie_word_embeddings: bool = False
+    time_step_limit: tuple = (0.0, float("inf"))
+    logit_scale: float = 4.0
+    seed: int = 0
+
+
+PRESETS = {
+    # The README's embedded default: small enough for a laptop CPU, big enough to look like a model.
+    "default": TinyMamba2Spec(hidden_size=256, num_hidden_layers=4, num_heads=8, head_dim=64, n_groups=2,
+                              state_size=32, chunk_size=64, vocab_size=1024, seed=1234),
+    "test": TinyMamba2Spec(),
+}
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    def uniform(*shape, lo, hi):
+        return lo + (hi - lo) * torch.rand(*shape, generator=g)
+
+    d, H = spec.hidden_size, spec.num_heads
+    d_inner = H * spec.head_dim
+    conv_dim = d_inner + 2 * spec.n_groups * spec.state_size
+    w = {"backbone.embeddings.weight": normal(spec.vocab_size, d, std=1.0)}
+    for i in range(spec.num_hidden_layers):
+        p = f"backbone.layers.{i}."
+        w[p + "norm.weight"] = 1.0 + normal(d, std=0.1)
+        w[p + "mixer.in_proj.weight"] = normal(2 * d_inner + 2 * spec.n_groups * spec.state_size + H, d,
+                                               std=1.0 / math.sqrt(d))
+        if spec.use_bias:
+            w[p + "mixer.in_proj.bias"] = normal(2 * d_inner + 2 * spec.n_groups * spec.state_size + H, std=0.1)
+        w[p + "mixer.conv1d.weight"] = normal(conv_dim, 1, spec.conv_kernel, std=0.5)
+        if spec.use_conv_bias:
+            w[p + "mixer.conv1d.bias"] = normal(conv_dim, std=0.1)
+        # Mamba-2's dt init: dt log-uniform, stored as softplus^-1(dt) in dt_bias.
+        dt = torch.exp(uniform(H, lo=math.log(0.01), hi=math.log(0.3)))
+        w[p + "mixer.dt_bias"] = dt + torch.log(-torch.expm1(-dt))
+        w[p + "mixer.A_log"] = torch.log(uniform(H, lo=1.0, hi=8.0))
+        w[p + "mixer.D"] = uniform(H, lo=0.5, hi=1.5)
+        w[p + "mixer.norm.weight"] = 1.0 + normal(d_inner, std=0.1)
+        w[p + "mixer.out_proj.weight"] = normal(d, d_inner, std=1.0 / math.sqrt(d_inner))
+        if spec.use_bias:
+            w[p + "mixer.out_proj.bias"] = normal(d, std=0.1)
+    w["backbone.norm_f.weight"] = torch.ones(d)
+    if not spec.tie_word_embeddings:
+        w["lm_head.weight"] = normal(spec.vocab_size, d, std=spec.logit_scale / math.sqrt(d))
+    else:  # tied: scale the shared matrix's effect through norm_f instead
+        w["backbone.norm_f.weight"] = torch.full((d,), spec.logit_scale / math.sqrt(d))
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def hf_config_dict(spec: TinyMamba2Spec, tokenizer) -> dict:
+    lo, hi = spec.time_step_limit
+    return {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_heads": spec.num_heads,
+        "head_dim": spec.head_dim,
+        "expand": spec.num_heads * spec.head_dim // spec.hidden_size,
+        "n_groups": spec.n_groups,
+        "state_size": spec.state_size,
+        "conv_kernel": spec.conv_kernel,
+        "chunk_size": spec.chunk_size,
+        "vocab_size": spec.vocab_size,
+        "use_bias": spec.use_bias,
+        "use_conv_bias": spec.use_conv_bias,
+        "hidden_act": "silu",
+        "layer_norm_epsilon": 1e-5,
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "time_step_limit": [lo, hi],
+        "time_step_rank": max(1, math.ceil(spec.hidden_size / 16)),
+        "bos_token_id": tokenizer.token_to_id("<|bos|>"),
+        "eos_token_id": tokenizer.token_to_id("<|eos|>"),
+        "pad_token_id": tokenizer.token_to_id("<|pad|>"),
+        "torch_dtype": "float32",
+    }
+
+
+def build(out_dir: str, spec: TinyMamba2Spec | None = None, **overrides) -> str:
+    """Write a tiny HF Mamba2 checkpoint + tokenizer to out_dir (idempotent for the same spec)."""
+    from safetensors.torch import save_file
+
+    spec = spec or TinyMamba2Spec()
+    for key, value in overrides.items():
+        setattr(spec, key, value)
+    if (spec.num_heads * spec.head_dim) % spec.hidden_size:
+        raise ValueError("num_heads * head_dim must be a multiple of hidden_size (HF's expand)")
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    if tokenizer.get_vocab_size() > spec.vocab_size:
+        raise ValueError("tokenizer vocabulary larger than the model's")
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>",
+                   "eos_token": "<|eos|>", "pad_token": "<|pad|>", "model_max_length": 4096,
+                   "clean_up_tokenization_spaces": False}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(spec, tokenizer), f, indent=2)
+    save_file(random_weights(spec), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "tiny_spec.json"), "w") as f:
+        json.dump(asdict(spec), f, indent=2)
+    return out_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    for field, default in asdict(TinyMamba2Spec()).items():
+        if isinstance(default, bool):
+            ap.add_argument(f"--{field.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"))
+        elif isinstance(default, (int, float)):
+            ap.add_argument(f"--{field.replace('_', '-')}", type=type(default))
+    args = ap.parse_args()
+    spec = PRESETS[args.preset]
+    overrides = {k: v for k, v in vars(args).items() if k not in ("out_dir", "preset") and v is not None}
+    print(build(args.out_dir, TinyMamba2Spec(**{**asdict(spec), **overrides})))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Every refusal the plugin makes, in one place, raised early with the fix named.
+
+Two kinds of check:
+* ``check_hf_config``: the checkpoint's config.json describes a Mamba2 model the plugin computes exactly
+  (raised when the model is built, before any weight is read).
+* ``Mamba2PluginConfig.verify_and_update_config``: engine options the plugin does not implement yet. vLLM calls
+  it from VllmConfig.__post_init__ in the front-end process (it is what MODELS_CONFIG_MAP holds for our
+  architecture names), so an unsupported option fails before any worker starts, instead of half-running.
+"""
+
+from .compat import VerifyAndUpdateConfig
+
+ERROR_PREFIX = "vllm-mamba2-plugin"
+
+
+class UnsupportedOptionError(ValueError):
+    """An engine option or model config the plugin refuses (rather than silently ignoring)."""
+
+
+def _refuse(what: str, fix: str) -> None:
+    raise UnsupportedOptionError(f"{ERROR_PREFIX}: {what} is not supported. {fix}")
+
+
+def check_engine_options(vllm_config) -> None:
+    cache = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    model = vllm_config.model_config
+    if cache.enable_prefix_caching:
+        _refuse("prefix caching (enable_prefix_caching=True)",
+                "Run without --enable-prefix-caching (or pass enable_prefix_caching=False).")
+    if getattr(cache, "mamba_cache_mode", "none") not in (None, "none"):
+        _refuse(f"mamba_cache_mode={cache.mamba_cache_mode!r}", "Leave --mamba-cache-mode at 'none'.")
+    if vllm_config.speculative_config is not None:
+        _refuse("speculative decoding (speculative_config)", "Remove --speculative-config.")
+    if par.tensor_parallel_size > 1:
+        _refuse(f"tensor parallelism (tensor_parallel_size={par.tensor_parallel_size})",
+                "Use tensor_parallel_size=1; run more replicas with data parallelism instead.")
+    if par.pipeline_parallel_size > 1:
+        _refuse(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size})",
+                "Use pipeline_parallel_size=1.")
+    if vllm_config.lora_config is not None:
+        _refuse("LoRA (enable_lora=True)", "Run without --enable-lora.")
+    if model.quantization is not None:
+        _refuse(f"quantized weights (quantization={model.quantization!r})",
+                "Serve an unquantized (fp32/fp16/bf16) Mamba2 checkpoint and drop --quantization.")
+
+
+def check_hf_config(config) -> None:
+    """The HF Mamba2Config fields the plugin relies on, checked against what it computes."""
+    required = ("hidden_size", "num_heads", "head_dim", "n_groups", "state_size", "conv_kernel",
+                "num_hidden_layers", "vocab_size", "chunk_size", "layer_norm_epsilon")
+    missing = [f for f in required if getattr(config, f, None) is None]
+    if missing:
+        raise UnsupportedOptionError(
+            f"{ERROR_PREFIX}: config.json lacks {missing}; this does not look like an HF Mamba2 config "
+            "(architectures: ['Mamba2ForCausalLM'], model_type 'mamba2')."
+        )
+    d_inner = config.num_heads * config.head_dim
+    expand = getattr(config, "expand", None)
+    if expand is not None and expand * config.hidden_size != d_inner:
+        raise UnsupportedOptionError(
+            f"{ERROR_PREFIX}: num_heads*head_dim = {d_inner} but expand*hidden_size = "
+            f"{expand * config.hidden_size}; fix config.json so that they agree."
+        )
+    if config.num_heads % config.n_groups != 0 or d_inner % config.n_groups != 0:
+        raise UnsupportedOptionError(
+            f"{ERROR_PREFIX}: n_groups={config.n_groups} must divide num_heads={config.num_heads}."
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        _refuse(f"hidden_act={act!r}", "Mamba2 checkpoints use 'silu'.")
+    if not getattr(config, "rms_norm", True):
+        _refuse("rms_norm=False (plain gate without RMSNorm)", "Use a checkpoint with rms_norm=True.")
+    if getattr(config, "norm_before_gate", False):
+        _refuse("norm_before_gate=True", "HF Mamba2 checkpoints normalise after the gate.")
+    limit = getattr(config, "time_step_limit", None)
+    if limit is not None and (len(limit) != 2 or float(limit[0]) > float(limit[1])):
+        raise UnsupportedOptionError(
+            f"{ERROR_PREFIX}: time_step_limit={limit!r} must be a (min, max) pair with min <= max."
+        )
+    if config.conv_kernel < 2:
+        raise UnsupportedOptionError(f"{ERROR_PREFIX}: conv_kernel={config.conv_kernel} must be >= 2.")
+
+
+class Mamba2PluginConfig(VerifyAndUpdateConfig):
+    """MODELS_CONFIG_MAP entry for the plugin's architecture names."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        check_engine_options(vllm_config)
+        check_hf_config(vllm_config.model_config.hf_config)
+        cache = vllm_config.cache_config
+        # One block per request holds its whole state: the block must span the longest request.
+        if getattr(cache, "mamba_block_size", None) is None:
+            cache.mamba_block_size = vllm_config.model_config.max_model_len
