@@ -102,3 +102,26 @@ class RecurrentMamba2:
             step_logprobs.append(lp)
             logits = self.step(nxt, state)
         return out, prompt_logprobs, step_logprobs
+
+    def score(self, prompt: list[int], continuation: list[int]) -> list[float]:
+        """Teacher-forced logprob of each continuation token after prompt + the continuation before it."""
+        state = self.new_state()
+        logits = None
+        for t in prompt:
+            logits = self.step(t, state)
+        out = []
+        for t in continuation:
+            out.append(torch.log_softmax(logits, -1)[t].item())
+            logits = self.step(t, state)
+        return out
+
+
+_CACHE: dict = {}
+
+
+def oracle_generate(oracle: RecurrentMamba2, prompt: list[int], max_tokens: int):
+    """Memoised RecurrentMamba2.generate (the recurrence is slow; many tests ask the same question)."""
+    key = (id(oracle), tuple(prompt), max_tokens)
+    if key not in _CACHE:
+        _CACHE[key] = oracle.generate(prompt, max_tokens)
+    return _CACHE[key]

@@ -86,7 +86,10 @@ def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
     d, H = spec.hidden_size, spec.num_heads
     d_inner = H * spec.head_dim
     conv_dim = d_inner + 2 * spec.n_groups * spec.state_size
-    w = {"backbone.embeddings.weight": normal(spec.vocab_size, d, std=1.0)}
+    # Tied embeddings score the current token's own embedding highly (E[t]·E[t] ~ d), which makes a random
+    # model repeat itself; small embeddings let the mixers' output dominate the residual stream instead.
+    embed_std = 0.2 if spec.tie_word_embeddings else 1.0
+    w = {"backbone.embeddings.weight": normal(spec.vocab_size, d, std=embed_std)}
     for i in range(spec.num_hidden_layers):
         p = f"backbone.layers.{i}."
         w[p + "norm.weight"] = 1.0 + normal(d, std=0.1)
@@ -110,7 +113,7 @@ def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = normal(spec.vocab_size, d, std=spec.logit_scale / math.sqrt(d))
     else:  # tied: scale the shared matrix's effect through norm_f instead
-        w["backbone.norm_f.weight"] = torch.full((d,), spec.logit_scale / math.sqrt(d))
+        w["backbone.norm_f.weight"] = torch.full((d,), spec.logit_scale / (embed_std * math.sqrt(d)))
     return {k: v.contiguous() for k, v in w.items()}
 
 
