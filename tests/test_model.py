@@ -159,3 +159,20 @@ def test_compiled_graph_mode_matches_recurrence(model_dirs, oracles):
     # The CPU backend compiles one whole graph (no CUDA graphs to split); on CUDA vLLM splits its piecewise
     # graphs at the ops in _attention_ops, which is where register() put ours (tests/gpu check the split).
     assert "vllm::mamba2_plugin_mixer" in CompilationConfig._attention_ops
+
+
+def test_greedy_matches_hf_transformers_for_one_group(model_dirs, oracles):
+    """HF transformers' Mamba2ForCausalLM (its CPU torch path) is a valid oracle for n_groups == 1 only:
+    it normalises the gated RMSNorm over the whole width (DESIGN.md §7)."""
+    from transformers import Mamba2ForCausalLM
+
+    variant = "g1"
+    assert MODEL_VARIANTS[variant]["n_groups"] == 1
+    hf = Mamba2ForCausalLM.from_pretrained(model_dirs[variant], dtype=torch.float32).eval()
+    prompts = _variant_prompts(variant, seed=8)
+    got, _ = _generate(engine(model_dirs[variant]), prompts)
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS, pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"

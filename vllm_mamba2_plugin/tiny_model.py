@@ -13,7 +13,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -152,9 +152,7 @@ def build(out_dir: str, spec: TinyMamba2Spec | None = None, **overrides) -> str:
     """Write a tiny HF Mamba2 checkpoint + tokenizer to out_dir (idempotent for the same spec)."""
     from safetensors.torch import save_file
 
-    spec = spec or TinyMamba2Spec()
-    for key, value in overrides.items():
-        setattr(spec, key, value)
+    spec = replace(spec or TinyMamba2Spec(), **overrides)
     if (spec.num_heads * spec.head_dim) % spec.hidden_size:
         raise ValueError("num_heads * head_dim must be a multiple of hidden_size (HF's expand)")
     os.makedirs(out_dir, exist_ok=True)

@@ -1,0 +1,52 @@
+"""The metadata builder: decode/prefill split, slots, has-initial-state, for the batch orders runners make."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadataBuilder, split_decodes_first
+
+
+def _builder(chunk=8):
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk)))
+    return Mamba2PluginMetadataBuilder(None, ["l0"], vllm_config, torch.device("cpu"))
+
+
+def _cam(query_lens, context_lens, slots):
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    seq = torch.tensor(query_lens) + torch.tensor(context_lens)
+    table = torch.zeros(len(slots), 4, dtype=torch.int32)
+    table[:, 0] = torch.tensor(slots)
+    return SimpleNamespace(num_reqs=len(slots), query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq.int(),
+                           block_table_tensor=table, num_actual_tokens=int(qsl[-1]))
+
+
+def test_backend_identity():
+    assert Mamba2PluginBackend.is_ssm()
+    assert Mamba2PluginBackend.get_builder_cls() is Mamba2PluginMetadataBuilder
+    assert Mamba2PluginMetadataBuilder.reorder_batch_threshold == 1
+
+
+@pytest.mark.parametrize("qlens, ctx, want", [
+    ([1, 1, 1], [5, 3, 9], 3),       # all decodes
+    ([4, 1, 7], [0, 0, 0], 0),       # all fresh prompts
+    ([1, 1, 6, 2], [5, 2, 0, 8], 2),  # decodes, then a fresh prompt and a resumed chunk
+    ([1, 1, 1, 3], [4, 0, 6, 0], 1),  # a fresh 1-token prompt sorted among decodes ends the decode block
+    ([], [], 0),
+])
+def test_decode_block_is_the_leading_run_of_one_token_rows_with_state(qlens, ctx, want):
+    assert split_decodes_first(torch.tensor(qlens, dtype=torch.int64), torch.tensor(ctx, dtype=torch.int64)) == want
+
+
+def test_build_mixed_batch():
+    # rows: decode(slot 7), decode(slot 2), fresh 1-token prompt (slot 5), decode (slot 9, after the break:
+    # handled by the prefill path with its state), resumed 4-token chunk (slot 3), fresh 6-token prompt (slot 4)
+    meta = _builder().build(0, _cam([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4]))
+    assert (meta.num_decodes, meta.num_decode_tokens) == (2, 2)
+    assert (meta.num_prefills, meta.num_prefill_tokens) == (4, 12)
+    assert meta.state_indices_d.tolist() == [7, 2]
+    assert meta.state_indices_p.tolist() == [5, 9, 3, 4]
+    assert meta.query_start_loc_p.tolist() == [0, 1, 2, 6, 12]
+    assert meta.has_initial_state_p.tolist() == [False, True, True, False]
+    assert meta.num_actual_tokens == 14 and meta.chunk_size == 8

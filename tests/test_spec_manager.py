@@ -1,0 +1,30 @@
+"""Mamba2StateSpec is a MambaSpec (so vLLM's allocator, grouping and scheduler treat it as Mamba state) and
+its manager refuses modes the plugin does not implement."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_mamba2_plugin.manager import Mamba2StateManager
+from vllm_mamba2_plugin.mixer import state_shapes
+from vllm_mamba2_plugin.spec import Mamba2StateSpec
+
+
+def _spec(**kw):
+    shapes = state_shapes(conv_kernel=4, conv_dim=160, num_heads=8, head_dim=16, state_size=16)
+    return Mamba2StateSpec(shapes=shapes, dtypes=(torch.bfloat16, torch.float32), block_size=512, **kw)
+
+
+def test_spec_is_a_mamba_spec_with_the_state_sizes():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = _spec()
+    assert isinstance(spec, MambaSpec)
+    assert spec.shapes == ((3, 160), (8, 16, 16))
+    assert spec.page_size_bytes == 3 * 160 * 2 + 8 * 16 * 16 * 4
+
+
+def test_manager_refuses_prefix_caching_modes():
+    with pytest.raises(ValueError, match="mamba_cache_mode='none' only.*--enable-prefix-caching"):
+        Mamba2StateManager(_spec(mamba_cache_mode="align"), SimpleNamespace())

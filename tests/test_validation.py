@@ -1,0 +1,99 @@
+"""Every refused option and bad input gives one clear error naming the fix, before anything half-runs."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_llm
+from vllm_mamba2_plugin import tiny_model
+from vllm_mamba2_plugin.validation import UnsupportedOptionError, check_hf_config
+
+REFUSED = {
+    "prefix_caching": (dict(enable_prefix_caching=True), "prefix caching.*--enable-prefix-caching"),
+    "spec_decode": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_max": 3}), "speculative decoding"),
+    "tensor_parallel": (dict(tensor_parallel_size=2), "tensor parallelism.*tensor_parallel_size=1"),
+    "pipeline_parallel": (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    "lora": (dict(enable_lora=True), "LoRA.*--enable-lora"),
+    "quantization": (dict(quantization="fp8"), "quantized weights.*unquantized"),
+    "mamba_cache_align": (dict(mamba_cache_mode="align"), "mamba_cache_mode='align'"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model.build(str(tmp_path_factory.mktemp("v") / "m"), tiny_model.TinyMamba2Spec())
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_engine_option_is_refused_at_config_time(name, tiny_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs, pattern = REFUSED[name]
+    with pytest.raises(Exception, match=f"vllm-mamba2-plugin: .*{pattern}") as err:
+        EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, **kwargs).create_engine_config()
+    assert "not supported" in str(err.value)
+
+
+def test_refusal_reaches_the_llm_user(tiny_dir):
+    with pytest.raises(Exception, match="vllm-mamba2-plugin: prefix caching"):
+        make_llm(tiny_dir, enable_prefix_caching=True)
+
+
+def _config(**changes):
+    base = tiny_model.hf_config_dict(tiny_model.TinyMamba2Spec(), tiny_model.build_tokenizer(512))
+    base.update(changes)
+    return type("Cfg", (), base)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(n_groups=3), "n_groups=3 must divide num_heads=8"),
+    (dict(expand=4), "num_heads\\*head_dim = 128 but expand\\*hidden_size = 256"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(rms_norm=False), "rms_norm=False"),
+    (dict(time_step_limit=[0.5, 0.1]), "time_step_limit"),
+    (dict(state_size=None), "lacks \\['state_size'\\]"),
+])
+def test_bad_model_config_is_refused(changes, pattern):
+    with pytest.raises(UnsupportedOptionError, match=pattern):
+        check_hf_config(_config(**changes))
+    check_hf_config(_config())  # the unchanged config passes
+
+
+def _broken_copy(src, dst, edit):
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+                g.write(f.read())
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    edit(weights)
+    save_file(weights, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("case, edit, pattern", [
+    ("missing", lambda w: w.pop("backbone.layers.1.mixer.D"), "missing \\['backbone.layers.1.mixer.D'\\]"),
+    ("wrong_shape", lambda w: w.__setitem__("backbone.layers.0.mixer.conv1d.weight", torch.zeros(10, 1, 4)),
+     "wrong shape.*conv1d.weight: checkpoint \\(10, 1, 4\\)"),
+    ("unexpected", lambda w: w.__setitem__("backbone.layers.0.mixer.extra", torch.zeros(3)),
+     "unexpected \\['backbone.layers.0.mixer.extra'\\]"),
+])
+def test_bad_weights_are_refused_with_the_names(case, edit, pattern, tiny_dir, tmp_path):
+    bad = _broken_copy(tiny_dir, str(tmp_path / case), edit)
+    with pytest.raises(Exception, match=f"vllm-mamba2-plugin: the checkpoint does not match.*{pattern}"):
+        make_llm(bad)
+
+
+def test_config_json_mismatch_names_the_fields(tiny_dir, tmp_path):
+    bad = _broken_copy(tiny_dir, str(tmp_path / "cfg"), lambda w: None)
+    with open(os.path.join(bad, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = 3  # the checkpoint has 2
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(Exception, match="missing \\['backbone.layers.2"):
+        make_llm(bad)
