@@ -1,0 +1,245 @@
+"""Throughput: the plugin and vLLM's in-tree Mamba2 side by side, same random-weight models, same workloads.
+
+    python benchmarks/throughput.py --models 130m --modes graph,eager --out /tmp/bench
+    python benchmarks/throughput.py --models 2.7b,7b --modes graph --out $OUT --md benchmarks/RESULTS.md
+
+One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
+(default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
+that one engine. Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
+
+Workloads: decode-heavy (prompt 512, 256 new tokens, batch 1 / 64 / 256) and prefill-heavy (prompt 4096,
+1 new token, batch 16). Reported per cell: output tok/s and total tok/s over the whole generate() call, the
+plugin / in-tree ratio of output tok/s, and for decode cells the share of the HBM floor:
+    floor per decode step = (weight bytes + 2 * batch * state bytes) / measured copy bandwidth
+    decode time           = time(prompt + N new) - time(prompt + 1 new), over N - 1 steps
+Results go out as JSON lines as they come (a run cut short still reports what finished).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+    "130m": dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, n_groups=1, state_size=128,
+                 vocab_size=50288),
+    "2.7b": dict(hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, n_groups=1, state_size=128,
+                 vocab_size=50288),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=1, state_size=16,
+                 vocab_size=512),  # --smoke only: checks the harness on a CPU
+    "7b": dict(hidden_size=4096, num_hidden_layers=64, num_heads=128, head_dim=64, n_groups=8, state_size=128,
+               vocab_size=32768),
+}
+DECODE = dict(prompt=512, new=256, batches=[1, 64, 256])
+PREFILL = dict(prompt=4096, new=1, batch=16)
+
+
+SMOKE_DECODE = dict(prompt=32, new=8, batches=[1, 4])
+SMOKE_PREFILL = dict(prompt=128, new=1, batch=2)
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def write_config(name: str, root: str) -> str:
+    c = MODELS[name]
+    path = os.path.join(root, f"mamba2-{name}-like")
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", expand=2, conv_kernel=4,
+               chunk_size=256, use_bias=False, use_conv_bias=True, hidden_act="silu", layer_norm_epsilon=1e-5,
+               rms_norm=True, residual_in_fp32=True, tie_word_embeddings=True, time_step_limit=[0.0, 1e9],
+               bos_token_id=0, eos_token_id=2, pad_token_id=1, torch_dtype="bfloat16", **c)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def bytes_per_step(name: str, batch: int, state_bytes: tuple[int, int]) -> tuple[int, int]:
+    """(weight bytes read per decode step in bf16, state bytes per request)."""
+    c = MODELS[name]
+    d, L, H, P, G, N = (c[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "head_dim", "n_groups",
+                                         "state_size"))
+    d_inner = H * P
+    conv_dim = d_inner + 2 * G * N
+    per_layer = d * (2 * d_inner + 2 * G * N + H) + conv_dim * 5 + d_inner * d + d_inner + d + 3 * H
+    weights = 2 * (L * per_layer + c["vocab_size"] * d + d)
+    conv_b, ssm_b = state_bytes
+    state = L * (3 * conv_dim * conv_b + H * P * N * ssm_b)
+    return weights, state
+
+
+def worker(args) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(args.worker)
+    global DECODE, PREFILL
+    if job.get("smoke"):
+        DECODE, PREFILL = SMOKE_DECODE, SMOKE_PREFILL
+    kwargs = dict(model=job["model_dir"], dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
+                  max_model_len=PREFILL["prompt"] + 16, max_num_seqs=max(DECODE["batches"]),
+                  max_num_batched_tokens=job["max_num_batched_tokens"],
+                  mamba_ssm_cache_dtype=job["ssm_dtype"], seed=0, enforce_eager=job["mode"] == "eager")
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = 0.85
+    if job["mode"] == "graph":
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(DECODE["batches"]))}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    # Which class serves the architecture, and the state dtypes it asked for (front-end view of the config).
+    from vllm.model_executor.models import ModelRegistry
+
+    vcfg = llm.llm_engine.vllm_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(vcfg.model_config.architectures, model_config=vcfg.model_config)
+    cls = f"{model_cls.__module__}.{model_cls.__qualname__}"
+    state_dtypes = [str(t) for t in model_cls.get_mamba_state_dtype_from_config(vcfg)]
+    vocab = MODELS[job["model"]]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+
+    def run(batch, prompt_len, new):
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, vocab - 1, (prompt_len,), generator=g).tolist())
+                   for _ in range(batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+        sync()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        el = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        return el, n_out, batch * prompt_len
+
+    run(4, 64, 8)  # warm-up
+    emit = dict(model=job["model"], impl=job["impl"], mode=job["mode"], model_class=cls, startup_s=startup,
+                ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
+    for batch in DECODE["batches"]:
+        el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
+        el_pref, _, _ = run(batch, DECODE["prompt"], 1)
+        print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
+                                          new=DECODE["new"], seconds=el_full, prefill_seconds=el_pref,
+                                          out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
+                                          decode_step_s=(el_full - el_pref) / (DECODE["new"] - 1))), flush=True)
+    el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
+    print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
+                                      new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
+                                      total_tok_s=(n_out + n_in) / el)), flush=True)
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def markdown(rows, bw, cmd) -> str:
+    by = {(r["model"], r["mode"], r["workload"], r["batch"], r["impl"]): r for r in rows}
+    lines = [f"### {datetime.date.today().isoformat()} — {device_name()}, bf16 weights, measured copy bandwidth "
+             f"{bw / 1e12:.2f} TB/s", "", f"`{cmd}`", "",
+             "| model | mode | workload | batch | ssm state | plugin out tok/s | in-tree out tok/s | ratio | "
+             "plugin total tok/s | in-tree total tok/s | plugin HBM-floor share | in-tree HBM-floor share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
+        p, t = by.get(key + ("plugin",)), by.get(key + ("intree",))
+
+        def f(r, field, fmt="{:.0f}"):
+            return fmt.format(r[field]) if r and field in r else "—"
+
+        ratio = f"{p['out_tok_s'] / t['out_tok_s']:.2f}" if p and t else "—"
+        sd = (p or t)["state_dtypes"]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sd[1] if len(sd) > 1 else '?'} | "
+                     f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
+                     f"{f(t, 'total_tok_s')} | {f(p, 'floor_share', '{:.0%}')} | {f(t, 'floor_share', '{:.0%}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="130m")
+    ap.add_argument("--impls", default="plugin,intree")
+    ap.add_argument("--modes", default="graph,eager")
+    ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="mamba2-bench-"))
+    ap.add_argument("--md", default=None, help="append the markdown table here")
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    os.makedirs(args.out, exist_ok=True)
+    bw = copy_bandwidth()
+    jsonl = os.path.join(args.out, "bench.jsonl")
+    rows = []
+    cmd = "python benchmarks/throughput.py " + " ".join(sys.argv[1:])
+    for model in args.models.split(","):
+        model_dir = write_config(model, args.out)
+        for mode in args.modes.split(","):
+            for impl in args.impls.split(","):
+                env = dict(os.environ)
+                if impl == "intree":
+                    env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
+                job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
+                           max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke)
+                log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
+                proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
+                                        stdout=subprocess.PIPE, stderr=log, text=True)
+                for line in proc.stdout:
+                    if not line.startswith("RESULT "):
+                        continue
+                    r = json.loads(line[len("RESULT "):])
+                    if r["workload"] == "decode":
+                        dt = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+                        sd = r["state_dtypes"] or ["torch.bfloat16", "torch.bfloat16"]
+                        w, s = bytes_per_step(model, r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
+                        r["floor_step_s"] = (w + 2 * r["batch"] * s) / bw
+                        r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
+                        r["bytes_per_step"] = w + 2 * r["batch"] * s
+                    rows.append(r)
+                    with open(jsonl, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+                    print(json.dumps(r), flush=True)
+                proc.wait()
+                log.close()
+                if proc.returncode:
+                    print(f"worker {model}/{impl}/{mode} exited {proc.returncode}", flush=True)
+    table = markdown(rows, bw, cmd)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table)
+    print(table)
+    if args.md:
+        with open(args.md, "a") as f:
+            f.write("\n" + table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine, from the repository root, with the payload carried at .gpu/
+# (built here by: PYTHON=.venv/bin/python ../shared/gpu/make-payload.sh .gpu; see /work/shared/gpu/README.md).
+#
+#   bash scripts/gpu-test.sh                       # default step: the gpu-marked tests
+#   bash scripts/gpu-test.sh "python3 -m pytest -m gpu tests/kernels -q -rs" "python3 examples/x.py"
+#   GPU_BENCH=1 GPU_BENCH_ARGS="..." bash scripts/gpu-test.sh   # + benchmarks/throughput.py, if present
+#
+# Logs go to $OUT (what the device tool brings back; at most 8 files come back) or /tmp/gpu-out:
+#   setup.log (device setup + project install), env.log (nvidia-smi, versions), one log per step
+#   (gpu-tests.log for the default, else step<N>.log), bench.log, summary.txt.
+# A failing step does not stop the next one; the script exits non-zero if any step failed.
+# Triton autotuning of the SSD kernels costs ~10 s per new (shape, dtype) on a cold cache; if a run is short
+# on time, MAMBA_DETERMINISTIC=1 makes mamba-ssm use one fixed config per kernel (no autotuning).
+set -euo pipefail
+LOG=${OUT:-/tmp/gpu-out}
+mkdir -p "$LOG"
+T0=$(date +%s)
+
+bash .gpu/device-setup.sh 2>&1 | tee "$LOG/setup.log"
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tee -a "$LOG/setup.log"
+
+{
+  nvidia-smi || true
+  python3 - <<'PY' || true
+import torch, triton
+print("torch", torch.__version__, "| cuda", torch.version.cuda, "| triton", triton.__version__,
+      "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")
+for m in ("vllm", "mamba_ssm", "causal_conv1d", "vllm_mamba2_plugin"):
+    try:
+        mod = __import__(m)
+        print(m, getattr(mod, "__version__", "?"), mod.__file__)
+    except Exception as e:  # report, do not stop
+        print(m, "IMPORT FAILED:", repr(e))
+PY
+} > "$LOG/env.log" 2>&1
+echo "setup done in $(( $(date +%s) - T0 ))s" | tee "$LOG/summary.txt"
+
+if [ "$#" -gt 0 ]; then
+  STEPS=("$@")
+else
+  STEPS=("python3 -m pytest -m gpu tests -x -q -rs")
+fi
+if [ "${#STEPS[@]}" -gt 4 ]; then
+  echo "warning: ${#STEPS[@]} steps -> more than 8 log files; only 8 come back from the device" | tee -a "$LOG/summary.txt"
+fi
+
+FAILED=0
+run_step() {  # run_step <log file> <command>
+  local log=$1 cmd=$2 t rc
+  t=$(date +%s)
+  echo "=== $cmd" | tee -a "$LOG/summary.txt"
+  set +e
+  bash -c "$cmd" 2>&1 | tee "$LOG/$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "    rc=$rc in $(( $(date +%s) - t ))s -> $log" | tee -a "$LOG/summary.txt"
+  if [ "$rc" -ne 0 ]; then FAILED=$((FAILED + 1)); fi
+}
+
+for i in "${!STEPS[@]}"; do
+  if [ "$#" -eq 0 ]; then name=gpu-tests.log; else name="step$((i + 1)).log"; fi
+  run_step "$name" "${STEPS[$i]}"
+done
+
+if [ "${GPU_BENCH:-0}" = "1" ]; then
+  if [ -f benchmarks/throughput.py ]; then
+    run_step bench.log "python3 benchmarks/throughput.py ${GPU_BENCH_ARGS:-}"
+  else
+    echo "GPU_BENCH=1 but benchmarks/throughput.py does not exist: skipped" | tee -a "$LOG/summary.txt"
+  fi
+fi
+
+echo "total $(( $(date +%s) - T0 ))s, $FAILED failed step(s)" | tee -a "$LOG/summary.txt"
+[ "$FAILED" -eq 0 ]

@@ -1,0 +1,129 @@
+"""End to end on CUDA (vLLM 0.26 on the H200): plugin with the upstream kernels vs the step-by-step recurrence
+vs vLLM's in-tree Mamba2; eager and piecewise CUDA graphs. Skipped without CUDA (conftest)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts
+from oracle import oracle_generate
+
+pytestmark = pytest.mark.gpu
+VOCAB = 512
+MAX_TOKENS = 24
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _gen(llm, prompts, max_tokens=MAX_TOKENS, **kw):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def _prompts(variant, seed=0):
+    return random_prompts(prompt_lengths(MODEL_VARIANTS[variant]["chunk_size"]) + [200], VOCAB,
+                          seed=seed + len(variant))
+
+
+_LLMS = {}
+
+
+def _llm(model_dir, **kw):
+    key = (model_dir, tuple(sorted(kw.items())))
+    if key not in _LLMS:
+        _LLMS.clear()
+        torch.cuda.empty_cache()
+        opts = dict(gpu_memory_utilization=0.3, max_num_seqs=16)
+        opts.update(kw)
+        _LLMS[key] = make_llm(model_dir, **opts)
+    return _LLMS[key]
+
+
+def test_cuda_kernels_are_the_ones_in_use(model_dirs):
+    llm = _llm(model_dirs["g1"])
+    names = llm.apply_model(lambda m: type(m).__name__)
+    assert names == ["Mamba2PluginForCausalLM"]
+    import sys as _sys
+
+    assert "mamba_ssm" in _sys.modules and "causal_conv1d" in _sys.modules
+
+
+@pytest.mark.parametrize("variant", ["g1", "g8_bias"])
+def test_fp32_eager_greedy_matches_recurrence(variant, model_dirs, oracles):
+    prompts = _prompts(variant)
+    got, _ = _gen(_llm(model_dirs[variant]), prompts)
+    want = [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    assert got == want
+
+
+@pytest.mark.parametrize("variant", ["g1"])
+def test_fp32_eager_chunked_prefill_and_batch_mix(variant, model_dirs, oracles):
+    prompts = _prompts(variant, seed=1)
+    llm = _llm(model_dirs[variant], max_num_batched_tokens=37)
+    batched, _ = _gen(llm, prompts)
+    singles = [_gen(llm, [p])[0][0] for p in prompts]
+    want = [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    assert batched == want and singles == want
+
+
+def test_fp32_cuda_graphs_greedy_slot_reuse(model_dirs, oracles):
+    """Piecewise CUDA graphs (the mixer op is a split point); padded graph batches; slots reused."""
+    variant = "g2_tied"
+    llm = _llm(model_dirs[variant], enforce_eager=False,
+               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    cc = llm.llm_engine.vllm_config.compilation_config
+    assert "vllm::mamba2_plugin_mixer" in (cc.splitting_ops or [])
+    prompts = _prompts(variant, seed=2)
+    got, _ = _gen(llm, prompts)
+    assert got == [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    prompt = prompts[2]
+    want = oracle_generate(oracles[variant], prompt, 12)[0]
+    for _ in range(3):  # 100 identical prompts through 16 slots, dirtied in between; odd batch sizes pad
+        got, _ = _gen(llm, [prompt] * 100, max_tokens=12)
+        assert all(g == want for g in got)
+        _gen(llm, prompts[:3], max_tokens=5)
+
+
+def test_bf16_top5_logprobs_contain_each_other(model_dirs, oracles):
+    """bf16: check_logprobs_close-style over 64 tokens. Where the greedy tokens first differ, each side's token
+    must be in the other's top-5; the sequences are not compared after that."""
+    variant = "g1"
+    prompts = _prompts(variant, seed=3)
+    _, outs = _gen(_llm(model_dirs[variant], dtype="bfloat16"), prompts, max_tokens=64, logprobs=5)
+    matched = 0
+    for prompt, out in zip(prompts, outs):
+        want, _, step_lps = oracle_generate(oracles[variant], prompt, 64)
+        got = list(out.outputs[0].token_ids)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                assert g in step_lps[i].topk(5).indices.tolist(), (len(prompt), i)
+                assert w in out.outputs[0].logprobs[i], (len(prompt), i)
+                break
+            matched += 1
+    assert matched >= 0.5 * 64 * len(prompts), matched
+
+
+@pytest.mark.slow
+def test_in_tree_vllm_agrees_on_cuda(model_dirs, oracles):
+    """vLLM's in-tree Mamba2 (the second oracle) in a subprocess with the override off, fp32 eager."""
+    import json
+
+    variant = "g1"
+    prompts = _prompts(variant)
+    env = dict(os.environ, VLLM_MAMBA2_PLUGIN_OVERRIDE="0")
+    req = {"runs": [{"model": model_dirs[variant], "prompts": prompts, "max_tokens": MAX_TOKENS,
+                     "llm_kwargs": {"gpu_memory_utilization": 0.3}}]}
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "engine_runner.py"),
+                           json.dumps(req)], capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])[0]
+    assert result["model_class"].endswith("models.mamba2.Mamba2ForCausalLM")
+    want = [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    assert result["tokens"] == want

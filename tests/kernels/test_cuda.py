@@ -1,0 +1,605 @@
+"""vllm_mamba2_plugin.kernels.cuda (mamba-ssm / causal-conv1d wrappers) against kernels.reference.
+
+Every test runs on two backends:
+  * "cuda" (marked ``gpu``): the real upstream kernels on a CUDA GPU; skipped cleanly without CUDA or without
+    mamba_ssm / causal_conv1d (nothing here imports them at collection time).
+  * "fake": runs anywhere (CPU CI). The upstream kernels are replaced by plain-torch stand-ins that reproduce
+    the argument checks (asserts / TORCH_CHECKs) and the semantics we rely on -- e.g. that a packed SSD call
+    gives an initial state only to the first sequence, that causal_conv1d_fn's varlen path needs the
+    channel-last layout and int32 seq_idx, that selective_state_update crashes on dt_bias=None. This checks
+    the wrappers' index plumbing, layouts and the initial-state correction without a GPU; only "cuda" checks
+    the kernels themselves.
+
+Tolerances, as max |actual - expected| <= tol * max |expected| (see TOL):
+  * SSD float32: 5e-3. mamba-ssm's Triton SSD kernels use tl.dot with default precision, i.e. TF32 for
+    float32 inputs (10-bit mantissa, ~5e-4 relative per rounding), so float32-exact agreement is impossible.
+  * everything else in float32 (CUDA conv FMAs, elementwise Triton state update, row-wise norm): 1e-4.
+  * bfloat16: outputs are rounded to bf16 (2^-8..2^-7 relative) by both sides, possibly in different
+    directions: 1e-2; SSD in bf16 also casts CB and inter-chunk states to bf16 inside the kernel: 3e-2.
+  * "fake" float32: 1e-4 everywhere (same arithmetic as the reference up to summation order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba2_plugin.kernels import cuda as ck
+from vllm_mamba2_plugin.kernels import reference as ref
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+# ------------------------------------------------------------------------------------------------------
+# plain-torch stand-ins for the upstream kernels (the "fake" backend)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                     seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                     return_final_states=False, return_varlen_states=False):
+    """mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined."""
+    batch, seqlen, nheads, headdim = x.shape
+    _, _, ngroups, dstate = B.shape
+    assert nheads % ngroups == 0 and B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape
+    assert dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,)
+    assert D is None or D.shape in ((nheads, headdim), (nheads,))
+    assert z is None and dt_bias is None  # the wrapper never uses them
+    if seq_idx is not None:
+        assert seq_idx.shape == (batch, seqlen)
+    if initial_states is not None:
+        assert initial_states.shape == (batch, nheads, headdim, dstate)
+    if return_varlen_states:
+        assert cu_seqlens is not None and batch == 1  # ssd_combined.py:390, 601
+    dtp = dt.float()
+    if dt_softplus:
+        dtp = F.softplus(dtp)
+    dtp = dtp.clamp(min=dt_limit[0], max=dt_limit[1])
+    outs, finals, segs = [], [], None
+    for b in range(batch):
+        ids = seq_idx[b].long() if seq_idx is not None else torch.zeros(seqlen, dtype=torch.long)
+        cuts = (torch.nonzero(ids[1:] != ids[:-1]).view(-1) + 1).tolist()
+        segs = [0] + cuts + [seqlen]
+        init = has = None
+        if initial_states is not None:  # only tokens with seq_idx 0 see it (ssd_chunk_scan.py:98, state passing)
+            init = torch.zeros(len(segs) - 1, nheads, headdim, dstate)
+            init[0] = initial_states[b].float()
+            has = torch.tensor([int(ids[0]) == 0] + [False] * (len(segs) - 2))
+        y, fin = ref.ssd_chunk_scan(x[b], dtp[b], A, B[b], C[b], chunk_size, torch.tensor(segs), init, has, D)
+        outs.append(y)
+        finals.append(fin)
+    out = torch.stack(outs).to(x.dtype)
+    res = [out]
+    if return_final_states:
+        res.append(torch.stack([f[-1] for f in finals]))
+    if return_varlen_states:
+        assert cu_seqlens.tolist() == segs, (cu_seqlens.tolist(), segs)  # the wrapper passes matching bounds
+        res.append(finals[0].to(C.dtype))  # chunk states are stored in C's dtype (ssd_combined.py:381)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _fake_conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                  final_states_out=None, activation=None):
+    """causal_conv1d.causal_conv1d_fn, with the checks of causal_conv1d_interface.py and causal_conv1d.cpp."""
+    assert activation in (None, "silu", "swish")
+    if x.stride(2) != 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    assert not (seq_idx is not None and return_final_states)
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    assert weight.shape == (dim, width) and 2 <= width <= 4
+    channel_last = x.stride(1) == 1 and x.stride(2) > 1
+    if channel_last:
+        assert dim % 8 == 0 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0
+    if bias is not None:
+        assert bias.dtype == weight.dtype and bias.shape == (dim,)
+    if seq_idx is not None:
+        assert channel_last and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert seq_idx.shape == (batch, seqlen)
+    assert initial_states is None and not return_final_states  # the wrapper never uses them
+    xf = x.float()
+    if seq_idx is None:
+        o = F.conv1d(xf, weight.float().unsqueeze(1), None if bias is None else bias.float(),
+                     padding=width - 1, groups=dim)[..., :seqlen]
+    else:  # causal_conv1d_ref's seq_idx branch (causal_conv1d_interface.py:155-174)
+        xp = F.pad(xf, (width - 1, 0))
+        sp = torch.cat([seq_idx.new_full((batch, width - 1), -1), seq_idx], dim=-1)
+        same = sp.unfold(-1, width, 1) == seq_idx.unsqueeze(-1)
+        o = (xp.unfold(-1, width, 1) * same.unsqueeze(1) * weight.float().view(1, dim, 1, width)).sum(-1)
+        if bias is not None:
+            o = o + bias.float().view(1, dim, 1)
+        o = o.masked_fill((seq_idx < 0).unsqueeze(1), 0.0)
+    if activation is not None:
+        o = F.silu(o)
+        if seq_idx is not None:
+            o = o.masked_fill((seq_idx < 0).unsqueeze(1), 0.0)
+    out = torch.empty_like(x)  # as causal_conv1d_fwd_function; the channel-last kernel assumes channel stride 1
+    if channel_last:
+        assert out.stride(1) == 1
+    return out.copy_(o.to(x.dtype))
+
+
+def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                      conv_state_indices=None):
+    """causal_conv1d.causal_conv1d_update (non-circular), with causal_conv1d.cpp:466-531's checks."""
+    assert cache_seqlens is None
+    x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+    batch, dim, seqlen = x3.shape
+    width = weight.shape[-1]
+    L = conv_state.size(2)
+    assert conv_state.dtype == x.dtype and L >= width - 1 and 2 <= width <= 4 and weight.shape == (dim, width)
+    if bias is not None:
+        assert bias.dtype == weight.dtype and bias.stride(-1) == 1
+    idx = conv_state_indices
+    assert idx is not None and idx.dtype == torch.int32 and idx.stride(0) == 1 and idx.shape == (batch,)
+    assert conv_state.shape[1:] == (dim, L)
+    out = torch.empty_like(x3)
+    for b, c in enumerate(idx.tolist()):
+        if c < 0:
+            out[b] = 0
+            continue
+        win = torch.cat([conv_state[c], x3[b]], dim=-1)  # (dim, L + seqlen)
+        ys = []
+        for i in range(seqlen):
+            w = win[:, L + i - width + 1: L + i + 1].float()
+            v = (w * weight.float()).sum(-1) + (0 if bias is None else bias.float())
+            ys.append(F.silu(v) if activation in ("silu", "swish") else v)
+        out[b] = torch.stack(ys, -1).to(x.dtype)
+        conv_state[c] = win[:, -L:]  # through the caller's (possibly strided) view: in place
+    return out.squeeze(-1) if x.dim() == 2 else out
+
+
+def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                       state_batch_indices=None):
+    """mamba_ssm.ops.triton.selective_state_update.selective_state_update (multi-head form)."""
+    assert state.dim() == 4 and x.dim() == 3
+    _, nheads, dim, dstate = state.shape
+    batch = x.shape[0]
+    assert x.shape == (batch, nheads, dim) and dt.shape == x.shape and A.shape == (nheads, dim, dstate)
+    ngroups = B.shape[1]
+    assert nheads % ngroups == 0 and B.shape == (batch, ngroups, dstate) and C.shape == B.shape
+    assert D is None or D.shape == (nheads, dim)
+    assert dt_bias is None or dt_bias.shape == (nheads, dim)
+    tie = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0  # :199
+    if dt_bias is None or D is None:  # :207, :211 unpack `*0`
+        raise TypeError("argument after * must be an iterable, not int")
+    assert state_batch_indices is not None and state_batch_indices.shape == (batch,)
+    assert state_batch_indices.is_contiguous()
+    R = nheads // ngroups
+    out = torch.empty_like(x)
+    for b, i in enumerate(state_batch_indices.tolist()):
+        if i < 0:
+            out[b] = 0
+            continue
+        d = dt[b].float() + dt_bias.float()
+        if tie:
+            d = d[:, :1].expand(nheads, dim)
+        if dt_softplus:
+            d = torch.where(d <= 20.0, F.softplus(d), d)
+        Bh = B[b].float().repeat_interleave(R, 0)  # (nheads, dstate)
+        Ch = C[b].float().repeat_interleave(R, 0)
+        dBx = (Bh[:, None, :] * d[..., None]) * x[b].float()[..., None]
+        s = state[i].float() * torch.exp(A.float() * d[..., None]) + dBx
+        state[i] = s.to(state.dtype)
+        y = (s * Ch[:, None, :]).sum(-1) + x[b].float() * D.float()
+        if z is not None:
+            y = y * F.silu(z[b].float())
+        out[b] = y.to(out.dtype)
+    return out
+
+
+def _fake_rmsnorm(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn (== its rms_norm_ref)."""
+    assert bias is None and weight.shape == (x.shape[-1],)
+    if z is not None:
+        assert z.shape == x.shape
+    xf = x.float()
+    if z is not None and not norm_before_gate:
+        xf = xf * F.silu(z.float())
+    gs = group_size or x.shape[-1]
+    g = xf.view(*xf.shape[:-1], -1, gs)
+    o = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + eps)).view(xf.shape) * weight.float()
+    if z is not None and norm_before_gate:
+        o = o * F.silu(z.float())
+    return o.to(x.dtype)
+
+
+FAKE_KERNELS = SimpleNamespace(
+    mamba_chunk_scan_combined=_fake_chunk_scan,
+    selective_state_update=_fake_state_update,
+    rmsnorm_fn=_fake_rmsnorm,
+    causal_conv1d_fn=_fake_conv_fn,
+    causal_conv1d_update=_fake_conv_update,
+)
+
+# ------------------------------------------------------------------------------------------------------
+# backends, tolerances, inputs
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[pytest.param("fake", id="fake"),
+                        pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def kern(request, monkeypatch):
+    if request.param == "fake":
+        monkeypatch.setattr(ck, "_KERNELS", FAKE_KERNELS)
+        return SimpleNamespace(name="fake", dev=torch.device("cpu"))
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("mamba_ssm")
+    pytest.importorskip("causal_conv1d")
+    ck._kernels()  # fail (not skip) if they are installed but do not import
+    # The reference must be float32-exact on the GPU: no TF32 in its einsums.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    return SimpleNamespace(name="cuda", dev=torch.device("cuda"))
+
+
+TOL = {("ssd", F32): 5e-3, ("ssd", BF16): 3e-2, ("any", F32): 1e-4, ("any", BF16): 1e-2}
+
+
+def tol(kern, kind, dtype):
+    if kern.name == "fake" and dtype == F32:
+        return 1e-4
+    return TOL.get((kind, dtype), TOL[("any", dtype)])
+
+
+def assert_close(actual, expected, t, what=""):
+    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    scale = max(e.abs().max().item(), 1e-6)
+    err = (a - e).abs().max().item()
+    assert err <= t * scale, f"{what}: max abs err {err:.3g} > {t} * scale {scale:.3g}"
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(g, *shape, scale=1.0):
+    return torch.randn(*shape, generator=g) * scale
+
+
+# SSD shapes: the three tiny test models (tests/conftest.py) and a realistic Mamba2 layer (chunk 256).
+SSD_CASES = {
+    "tiny-g1": dict(H=8, P=16, N=16, G=1, cs=8, real=False),
+    "tiny-g2": dict(H=16, P=8, N=16, G=2, cs=16, real=False),
+    "tiny-g8": dict(H=8, P=32, N=16, G=8, cs=4, real=False),
+    "real-g1": dict(H=24, P=64, N=128, G=1, cs=256, real=True),
+    "real-g8": dict(H=24, P=64, N=128, G=8, cs=256, real=True),
+}
+
+
+def case(kern, name):
+    c = SimpleNamespace(**SSD_CASES[name])
+    if c.real and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU (the fake backend runs the reference twice on CPU)")
+    return c
+
+
+def ssd_inputs(c, lens, dtype, dev, seed, pad=0):
+    g = gen(seed)
+    T = sum(lens) + pad
+    dt_bias = torch.log(torch.expm1(torch.empty(c.H).uniform_(1e-3, 1e-1, generator=g)))  # Mamba2 init
+    dt = ref.process_dt(rnd(g, T, c.H, scale=0.5), dt_bias)
+    A = -torch.exp(torch.empty(c.H).uniform_(0.0, math.log(16.0), generator=g))
+    x, B, C = rnd(g, T, c.H, c.P), rnd(g, T, c.G, c.N), rnd(g, T, c.G, c.N)
+    D = rnd(g, c.H)
+    to = lambda t, dty=dtype: t.to(dev, dty)  # noqa: E731
+    return to(x), to(dt, F32), to(A, F32), to(B), to(C), to(D, F32)
+
+
+def cu_of(lens, dev):
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+
+
+def garbage_states(g, shape, flags, dev, dtype=F32):
+    """Initial states; rows flagged False hold NaN / inf garbage (vLLM never zeroes a slot)."""
+    s = rnd(g, *shape)
+    for i, f in enumerate(flags):
+        if not f:
+            s[i] = float("nan")
+            s[i].view(-1)[::3] = float("inf")
+    return s.to(dev, dtype)
+
+
+def flags_of(flags, dev):
+    return torch.tensor(flags, dtype=torch.bool, device=dev)
+
+
+# ------------------------------------------------------------------------------------------------------
+# SSD chunk scan
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(SSD_CASES))
+def test_ssd_varlen_initial_states(kern, name, dtype):
+    c = case(kern, name)
+    cs = c.cs
+    lens = [cs + 1, 1, 3 * cs + 5, max(1, cs - 1), cs]  # 1, chunk-1, chunk, chunk+1, 3*chunk+5, shuffled
+    flags = [True, True, False, True, False]  # init on a 1-token row and on long rows, garbage elsewhere
+    x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=1)
+    h0 = garbage_states(gen(2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
+    assert y.dtype == x.dtype and fin.dtype == F32 and fin.shape == fin_r.shape
+    t = tol(kern, "ssd", dtype)
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    for s in range(len(lens)):  # per-sequence check: a large sequence must not hide a wrong short one
+        a, b = int(cu[s]), int(cu[s + 1])
+        assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+        assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
+
+
+@pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
+def test_ssd_edge_cases(kern, variant):
+    c = case(kern, "tiny-g2")
+    lens = {"empty-and-padding": [0, 5, 0, 17, 1]}.get(variant, [3, 16, 40, 1])
+    pad = 7 if variant == "empty-and-padding" else 0
+    x, dt, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=3, pad=pad)
+    S = len(lens)
+    flags = [s % 2 == 0 for s in range(S)]
+    h0 = garbage_states(gen(4), (S, c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    kw = dict(initial_states=h0, has_initial_state=hi, D=D)
+    if variant == "all-fresh":
+        kw = dict(D=None)
+    elif variant == "all-init-none-flags":
+        kw = dict(initial_states=torch.where(torch.isfinite(h0), h0, 0.0), has_initial_state=None, D=D)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
+    if variant == "cpu-bounds":  # the metadata's CPU copies: no device->host sync in the wrapper
+        cu, kw["has_initial_state"] = cu.cpu(), hi.cpu()
+    init_before = None if kw.get("initial_states") is None else kw["initial_states"].clone()
+    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
+    t = tol(kern, "ssd", F32)
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    if pad:
+        assert torch.equal(y[-pad:].cpu(), torch.zeros(pad, c.H, c.P)), "padding tokens must give y = 0"
+    if init_before is not None:  # the caller's initial_states are never written (no aliasing)
+        assert torch.equal(torch.nan_to_num(kw["initial_states"]).cpu(), torch.nan_to_num(init_before).cpu())
+
+
+# ------------------------------------------------------------------------------------------------------
+# causal conv1d (prefill)
+# ------------------------------------------------------------------------------------------------------
+
+CONV_DIMS = {"tiny": 160, "real": 1792}  # conv_dim = d_inner + 2*G*N: tiny-g1 (128 + 32), real (1536 + 256)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_varlen(kern, dims, width, dtype):
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, K = CONV_DIMS[dims], width - 1
+    lens = [1, 2, 3, 5, 17] if dims == "tiny" else [1, 2, 255, 256, 700]  # some shorter than W-1
+    flags = [True, False, True, True, False]
+    g = gen(10 + width)
+    T = sum(lens) + 3  # + padding tokens
+    # x as a column slice of a wider "projection" with an odd row stride, as the mixer passes it.
+    proj = rnd(g, T, Dm + 13).to(kern.dev, dtype)
+    x = proj[:, 5:5 + Dm]
+    w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    for bias, act in ((b, "silu"), (None, None)):
+        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
+        out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
+        assert out.dtype == dtype and fin.dtype == dtype
+        assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+        assert torch.equal(out[sum(lens):].cpu(), torch.zeros(3, Dm, dtype=dtype)), "padding tokens -> 0"
+
+
+def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
+    g = gen(20)
+    lens, Dm = [3, 9], 20
+    x, w = rnd(g, 12, Dm).to(kern.dev), rnd(g, Dm, 4).to(kern.dev)
+    cu = cu_of(lens, kern.dev)
+    out, fin = ck.causal_conv1d(x, w, None, cu)
+    out_r, fin_r = ref.causal_conv1d(x, w, None, cu)
+    assert torch.equal(out.cpu(), out_r.cpu()) and torch.equal(fin.cpu(), fin_r.cpu())
+
+
+# ------------------------------------------------------------------------------------------------------
+# decode: state pools that are strided views into one raw buffer, as vLLM allocates them
+# ------------------------------------------------------------------------------------------------------
+
+
+def pool_views(raw, K, Dm, H, P, N, conv_dtype, ssm_dtype):
+    """vLLM-style per-slot pages of bytes: [conv (K, D) | pad | ssm (H, P, N) | pad]; strided views."""
+    num_slots = raw.shape[0]
+    es_c, es_s = (torch.empty(0, dtype=d).element_size() for d in (conv_dtype, ssm_dtype))
+    conv_bytes, ssm_bytes = K * Dm * es_c, H * P * N * es_s
+    ssm_off = -(-conv_bytes // 64) * 64 + 64
+    assert raw.shape[1] >= ssm_off + ssm_bytes
+    conv = raw[:, :conv_bytes].view(conv_dtype).view(num_slots, K, Dm)
+    ssm = raw[:, ssm_off:ssm_off + ssm_bytes].view(ssm_dtype).view(num_slots, H, P, N)
+    return conv, ssm, conv_bytes, ssm_off
+
+
+def make_pools(num_slots, K, Dm, H, P, N, conv_dtype, ssm_dtype, dev, seed):
+    """A raw uint8 buffer (random bytes: slots are never zeroed) and its (conv, ssm) pool views, whose
+    state entries are filled with random normals."""
+    es_c, es_s = (torch.empty(0, dtype=d).element_size() for d in (conv_dtype, ssm_dtype))
+    page = -(-(K * Dm * es_c) // 64) * 64 + 64 + H * P * N * es_s + 64
+    raw = torch.randint(0, 256, (num_slots, page), dtype=torch.uint8, generator=gen(seed)).to(dev)
+    conv, ssm, _, _ = pool_views(raw, K, Dm, H, P, N, conv_dtype, ssm_dtype)
+    conv.copy_(rnd(gen(seed + 1), num_slots, K, Dm).to(conv_dtype))
+    ssm.copy_(rnd(gen(seed + 2), num_slots, H, P, N).to(ssm_dtype))
+    assert not conv.is_contiguous() and not ssm.is_contiguous()
+    return raw, conv, ssm
+
+
+SLOTS = [7, 2, 11, 5, 14, 1]  # scattered, unsorted
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (BF16, F32)],
+                         ids=["f32", "bf16", "bf16-x-f32-pool"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_conv_update_pool(kern, dims, width, dtypes):
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    x_dtype, pool_dtype = dtypes
+    Dm, K = CONV_DIMS[dims], width - 1
+    shape = (K, Dm, 2, 4, 8, pool_dtype, F32)
+    raw, conv, _ = make_pools(16, *shape, kern.dev, seed=30 + width)
+    raw_r = raw.clone()
+    conv_r, _, conv_bytes, _ = pool_views(raw_r, *shape)
+    g = gen(40)
+    proj = rnd(g, len(SLOTS), Dm + 11).to(kern.dev, x_dtype)
+    x = proj[:, 3:3 + Dm]
+    w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, x_dtype), rnd(g, Dm, scale=0.1).to(kern.dev, x_dtype)
+    idx = torch.tensor(SLOTS, dtype=torch.int64, device=kern.dev)
+    for step in range(2):  # two steps: the second reads what the first wrote
+        y = ck.conv_update(x, conv, w, b, idx, activation="silu")
+        y_r = ref.conv_update(x, conv_r, w, b, idx, activation="silu")
+        assert y.dtype == x_dtype
+        assert_close(y, y_r, tol(kern, "conv", x_dtype), f"out step {step}")
+        if x_dtype == pool_dtype:
+            assert torch.equal(conv[idx].cpu(), conv_r[idx].cpu()), "shifted conv states must be exact"
+        else:
+            assert_close(conv[idx], conv_r[idx], 1e-6, "conv states")
+        x = x.flip(0)
+    untouched = [s for s in range(16) if s not in SLOTS]
+    assert torch.equal(raw[untouched].cpu(), raw_r[untouched].cpu()), "untouched slots must be bit-identical"
+    assert torch.equal(raw[SLOTS, conv_bytes:].cpu(), raw_r[SLOTS, conv_bytes:].cpu()), "wrote past conv state"
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, F32), (BF16, BF16)],
+                         ids=["f32", "bf16-x-f32-pool", "bf16"])
+@pytest.mark.parametrize("with_D", [True, False], ids=["D", "noD"])
+@pytest.mark.parametrize("name", ["tiny-g1", "tiny-g2", "tiny-g8", "real-g1", "real-g8"])
+def test_ssm_state_update_pool(kern, name, with_D, dtypes):
+    c = case(kern, name)
+    x_dtype, pool_dtype = dtypes
+    shape = (3, 16, c.H, c.P, c.N, F32, pool_dtype)
+    raw, _, ssm = make_pools(16, *shape, kern.dev, seed=50)
+    raw_r = raw.clone()
+    _, ssm_r, _, ssm_off = pool_views(raw_r, *shape)
+    Bsz = len(SLOTS)
+    x, dt, A, B, C, D = ssd_inputs(c, [Bsz], x_dtype, kern.dev, seed=60)
+    D = D if with_D else None
+    idx = torch.tensor(SLOTS, dtype=torch.int64, device=kern.dev)
+    for step in range(2):
+        y = ck.ssm_state_update(ssm, x, dt, A, B, C, idx, D=D)
+        y_r = ref.ssm_state_update(ssm_r, x, dt, A, B, C, idx, D=D)
+        assert y.dtype == x_dtype
+        t = tol(kern, "ssm", x_dtype if pool_dtype == F32 else BF16)
+        assert_close(y, y_r, t, f"y step {step}")
+        assert_close(ssm[idx], ssm_r[idx], tol(kern, "ssm", pool_dtype), f"states step {step}")
+        x = x.flip(0)
+    untouched = [s for s in range(16) if s not in SLOTS]
+    assert torch.equal(raw[untouched].cpu(), raw_r[untouched].cpu()), "untouched slots must be bit-identical"
+    assert torch.equal(raw[SLOTS, :ssm_off].cpu(), raw_r[SLOTS, :ssm_off].cpu()), "wrote outside the ssm state"
+
+
+# ------------------------------------------------------------------------------------------------------
+# gated RMSNorm
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n_groups", [1, 2, 8])
+@pytest.mark.parametrize("d_inner", [128, 1536])
+def test_gated_rms_norm(kern, d_inner, n_groups, dtype):
+    g = gen(70)
+    T = 37
+    proj = rnd(g, T, 2 * d_inner + 9).to(kern.dev, dtype)
+    z = proj[:, :d_inner]  # strided, as the mixer's z
+    x = rnd(g, T, d_inner, scale=3.0).to(kern.dev, dtype)
+    w = (1 + 0.1 * rnd(g, d_inner)).to(kern.dev, dtype)
+    gs = d_inner // n_groups
+    for zz in (z, None):
+        out = ck.gated_rms_norm(x, zz, w, 1e-5, gs)
+        out_r = ref.gated_rms_norm(x, zz, w, 1e-5, gs)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert_close(out, out_r, tol(kern, "norm", dtype), f"gated={zz is not None}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# end to end: prefill in two chunks + decode through the pools == one reference pass over everything
+# ------------------------------------------------------------------------------------------------------
+
+
+def _mix(k, xBC, cu, conv_pool, ssm_pool, slots, has_init, w, b, dt, A, D, c, Dx):
+    """The conv -> SSD part of the mixer for a prefill batch, on kernel module k (cuda or reference)."""
+    out, conv_fin = k.causal_conv1d(xBC, w, b, cu, conv_pool[slots], has_init, activation="silu")
+    conv_pool[slots] = conv_fin.to(conv_pool.dtype)
+    x, B, C = torch.split(out, [Dx, c.G * c.N, c.G * c.N], dim=-1)
+    y, fin = k.ssd_chunk_scan(x.reshape(-1, c.H, c.P), dt, A, B.reshape(-1, c.G, c.N), C.reshape(-1, c.G, c.N),
+                              c.cs, cu, ssm_pool[slots], has_init, D=D)
+    ssm_pool[slots] = fin.to(ssm_pool.dtype)
+    return y
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype):
+    c = case(kern, name)
+    W, Dx = 4, c.H * c.P
+    Dm = Dx + 2 * c.G * c.N
+    lens = [2 * c.cs + 3, 5, c.cs]
+    cut = [c.cs + 1, 2, 3]  # first prefill chunk per sequence; then the rest minus 2; then 2 decode steps
+    g = gen(80)
+    total = sum(lens)
+    xBC = rnd(g, total, Dm).to(kern.dev, dtype)
+    _, dt, A, _, _, D = ssd_inputs(c, [total], dtype, kern.dev, seed=81)
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    # the oracle: one reference pass over the whole sequences
+    cu_all = cu_of(lens, kern.dev)
+    conv0 = torch.zeros(16, W - 1, Dm, device=kern.dev, dtype=dtype)
+    ssm0 = torch.zeros(16, c.H, c.P, c.N, device=kern.dev, dtype=F32)
+    slots = torch.tensor([9, 3, 12], device=kern.dev)
+    y_ref = _mix(ref, xBC, cu_all, conv0.clone(), ssm0.clone(), slots, None, w, b, dt, A, D, c, Dx)
+    # pools with garbage in them (flags False on the first chunk must ignore it)
+    _, conv_pool, ssm_pool = make_pools(16, W - 1, Dm, c.H, c.P, c.N, dtype, F32, kern.dev, seed=82)
+    starts = cu_all[:-1].tolist()
+    conv_pool.fill_(float("nan"))  # garbage: the first chunk (flags False) must not read it
+    ssm_pool.fill_(float("nan"))
+    pieces = [(0, cut), (1, [L - 2 - a for L, a in zip(lens, cut)])]
+    y = torch.empty_like(y_ref)
+    for has, plens in pieces:
+        base = [st + (0 if not has else a) for st, a in zip(starts, cut)]
+        tok = torch.cat([torch.arange(s0, s0 + n) for s0, n in zip(base, plens)]).to(kern.dev)
+        hi = torch.full((3,), bool(has), device=kern.dev)
+        y[tok] = _mix(ck, xBC[tok], cu_of(plens, kern.dev), conv_pool, ssm_pool, slots, hi, w, b, dt[tok],
+                      A, D, c, Dx)
+    for step in (2, 1):  # decode: the last two tokens of each sequence
+        tok = torch.tensor([st + L - step for st, L in zip(starts, lens)], device=kern.dev)
+        xc = ck.conv_update(xBC[tok], conv_pool, w, b, slots, activation="silu")
+        xs, Bs, Cs = torch.split(xc, [Dx, c.G * c.N, c.G * c.N], dim=-1)
+        y[tok] = ck.ssm_state_update(ssm_pool, xs.reshape(-1, c.H, c.P), dt[tok], A, Bs.reshape(-1, c.G, c.N),
+                                     Cs.reshape(-1, c.G, c.N), slots, D=D)
+    assert_close(y, y_ref, 2 * tol(kern, "ssd", dtype), "outputs over all tokens")
+
+
+# ------------------------------------------------------------------------------------------------------
+# import behaviour (CPU)
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_importing_cuda_module_does_not_import_kernels():
+    code = ("import sys, vllm_mamba2_plugin.kernels.cuda; "
+            "assert 'mamba_ssm' not in sys.modules and 'causal_conv1d' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm is installed")
+def test_missing_packages_give_one_clear_error(monkeypatch):
+    monkeypatch.setattr(ck, "_KERNELS", None)
+    with pytest.raises(ImportError, match="pip install mamba-ssm causal-conv1d"):
+        ck.gated_rms_norm(torch.ones(2, 8), None, torch.ones(8), 1e-5, 8)
