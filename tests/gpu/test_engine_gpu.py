@@ -35,11 +35,16 @@ _LLMS = {}
 
 
 def _llm(model_dir, **kw):
-    key = (model_dir, tuple(sorted(kw.items())))
+    key = (model_dir, repr(sorted(kw.items())))
     if key not in _LLMS:
         _LLMS.clear()
+        import gc
+
+        gc.collect()
         torch.cuda.empty_cache()
-        opts = dict(gpu_memory_utilization=0.3, max_num_seqs=16)
+        # Tiny models: a small share of the GPU, so that engines that outlive their test (and the in-tree
+        # subprocess) still find the free memory vLLM checks for at start-up.
+        opts = dict(gpu_memory_utilization=0.04, max_num_seqs=16)
         opts.update(kw)
         _LLMS[key] = make_llm(model_dir, **opts)
     return _LLMS[key]
@@ -49,9 +54,9 @@ def test_cuda_kernels_are_the_ones_in_use(model_dirs):
     llm = _llm(model_dirs["g1"])
     names = llm.apply_model(lambda m: type(m).__name__)
     assert names == ["Mamba2PluginForCausalLM"]
-    import sys as _sys
-
-    assert "mamba_ssm" in _sys.modules and "causal_conv1d" in _sys.modules
+    # Imported lazily: not by start-up (profile runs carry no metadata), only by the first real step.
+    _gen(llm, [[5, 6, 7]], max_tokens=2)
+    assert "mamba_ssm" in sys.modules and "causal_conv1d" in sys.modules
 
 
 @pytest.mark.parametrize("variant", ["g1", "g8_bias"])
@@ -118,7 +123,7 @@ def test_in_tree_vllm_agrees_on_cuda(model_dirs, oracles):
     prompts = _prompts(variant)
     env = dict(os.environ, VLLM_MAMBA2_PLUGIN_OVERRIDE="0")
     req = {"runs": [{"model": model_dirs[variant], "prompts": prompts, "max_tokens": MAX_TOKENS,
-                     "llm_kwargs": {"gpu_memory_utilization": 0.3}}]}
+                     "llm_kwargs": {"gpu_memory_utilization": 0.04}}]}
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "engine_runner.py"),
                            json.dumps(req)], capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
