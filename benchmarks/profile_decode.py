@@ -1,0 +1,63 @@
+"""Profile one engine's decode steps with torch.profiler (in-process engine core) and print where time goes.
+
+    python benchmarks/profile_decode.py --model 130m --batch 1 --mode graph [--impl intree]
+
+Prints the top ops by self CPU time and by device time for a few decode steps, and the measured step time.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the profiler must see the model's process
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import throughput  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="130m")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--mode", default="graph", choices=["graph", "eager"])
+    ap.add_argument("--impl", default="plugin", choices=["plugin", "intree"])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    if args.impl == "intree":
+        os.environ["VLLM_PLUGINS"] = ""
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_dir = throughput.write_config(args.model, tempfile.mkdtemp())
+    kw = dict(model=model_dir, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
+              max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.3, enforce_eager=args.mode == "eager")
+    if args.mode == "graph":
+        kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, args.batch})}
+    llm = LLM(**kw)
+    prompts = [TokensPrompt(prompt_token_ids=list(range(10, 74))) for _ in range(args.batch)]
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False), use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(4)
+    t1, tn = gen(1), gen(1 + args.steps)
+    print(f"{args.impl}/{args.mode} batch {args.batch}: decode step {(tn - t1) / args.steps * 1e3:.2f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen(1 + args.steps)
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
