@@ -155,6 +155,10 @@ def ssd_chunk_scan(
     cu = _seq_lens(cu_seqlens)
     S = len(cu) - 1
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    # The result does not depend on the chunk length, only the cost does: when every sequence is shorter
+    # than a chunk, one chunk of the longest length avoids padding short prompts to the model's chunk_size
+    # (the quadratic intra-chunk part would otherwise cost chunk_size^2 per chunk).
+    cs = max(1, min(cs, max(lens, default=1)))
     nch = [(n + cs - 1) // cs for n in lens]
     n_chunks = sum(nch)
     max_nch = max(nch, default=0)
