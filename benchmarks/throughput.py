@@ -212,9 +212,10 @@ def main() -> None:
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
                 proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
-                                        stdout=subprocess.PIPE, stderr=log, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for line in proc.stdout:
                     if not line.startswith("RESULT "):
+                        log.write(line)  # vLLM logs to stdout: keep them with the worker's stderr
                         continue
                     r = json.loads(line[len("RESULT "):])
                     if r["workload"] == "decode":

@@ -40,7 +40,9 @@ echo "setup done in $(( $(date +%s) - T0 ))s" | tee "$LOG/summary.txt"
 if [ "$#" -gt 0 ]; then
   STEPS=("$@")
 else
-  STEPS=("python3 -m pytest -m gpu tests -x -q -rs")
+  # -v and --timeout (pytest-timeout is on the GPU image): a hung test dumps its stack and the run goes on,
+  # instead of the whole step being killed with its captured output.
+  STEPS=("python3 -m pytest -m gpu tests -v -rs --timeout 180 -p no:cacheprovider")
 fi
 if [ "${#STEPS[@]}" -gt 4 ]; then
   echo "warning: ${#STEPS[@]} steps -> more than 8 log files; only 8 come back from the device" | tee -a "$LOG/summary.txt"
