@@ -18,7 +18,9 @@ def _cam(query_lens, context_lens, slots):
     seq = torch.tensor(query_lens) + torch.tensor(context_lens)
     table = torch.zeros(len(slots), 4, dtype=torch.int32)
     table[:, 0] = torch.tensor(slots)
+    # The "device" tensors are separate copies, so that the test notices which ones the builder reads.
     return SimpleNamespace(num_reqs=len(slots), query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq.int(),
+                           query_start_loc=qsl.clone(), seq_lens=seq.int().clone(),
                            block_table_tensor=table, num_actual_tokens=int(qsl[-1]))
 
 
@@ -50,3 +52,12 @@ def test_build_mixed_batch():
     assert meta.query_start_loc_p.tolist() == [0, 1, 2, 6, 12]
     assert meta.has_initial_state_p.tolist() == [False, True, True, False]
     assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
+    assert meta.query_start_loc_p_cpu.tolist() == [0, 1, 2, 6, 12]
+    assert meta.has_initial_state_p_cpu.tolist() == [False, True, True, False]
+
+
+def test_build_decode_only_batch_has_empty_prefill_fields():
+    meta = _builder().build(0, _cam([1, 1, 1], [3, 8, 5], [4, 6, 2]))
+    assert (meta.num_decodes, meta.num_prefills, meta.num_prefill_tokens) == (3, 0, 0)
+    assert meta.state_indices_d.tolist() == [4, 6, 2] and meta.state_indices_p.numel() == 0
+    assert meta.query_start_loc_p.tolist() == [0] and meta.has_initial_state_p.numel() == 0

@@ -93,6 +93,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.vllm_config = vllm_config
         self.device = device
         self.chunk_size = int(vllm_config.model_config.hf_config.chunk_size)
+        self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         cam = common_attn_metadata
@@ -110,7 +112,15 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
         qsl_p_cpu = (qsl_cpu[num_decodes:] - num_decode_tokens).to(torch.int32)
         has_init_p_cpu = context_lens[num_decodes:] > 0
-        non_blocking = self.device.type == "cuda"
+        if num_prefills == 0:
+            qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
+        else:
+            # Derived from the runner's device tensors rather than copied from the host copies: a host-to-
+            # device copy from pageable memory synchronises the stream, which would stall the CPU on the
+            # previous step's GPU work at every step.
+            qsl = cam.query_start_loc[num_decodes: num_reqs + 1]
+            qsl_p = (qsl - num_decode_tokens).to(torch.int32)
+            has_init_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
@@ -119,8 +129,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots[:num_decodes],
             state_indices_p=slots[num_decodes:],
-            query_start_loc_p=qsl_p_cpu.to(self.device, non_blocking=non_blocking),
-            has_initial_state_p=has_init_p_cpu.to(self.device, non_blocking=non_blocking),
+            query_start_loc_p=qsl_p,
+            has_initial_state_p=has_init_p,
             query_start_loc_p_cpu=qsl_p_cpu,
             has_initial_state_p_cpu=has_init_p_cpu,
         )
