@@ -8,8 +8,10 @@ import torch
 from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadataBuilder, split_decodes_first
 
 
-def _builder(chunk=8):
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk)))
+def _builder(chunk=8, max_num_seqs=8, max_capture=4):
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk)),
+                                  scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                                  compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture))
     return Mamba2PluginMetadataBuilder(None, ["l0"], vllm_config, torch.device("cpu"))
 
 
@@ -61,3 +63,46 @@ def test_build_decode_only_batch_has_empty_prefill_fields():
     assert (meta.num_decodes, meta.num_prefills, meta.num_prefill_tokens) == (3, 0, 0)
     assert meta.state_indices_d.tolist() == [4, 6, 2] and meta.state_indices_p.numel() == 0
     assert meta.query_start_loc_p.tolist() == [0] and meta.has_initial_state_p.numel() == 0
+
+
+@pytest.fixture
+def full_graphs(monkeypatch):
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+
+
+def test_cudagraph_support_follows_the_switch(monkeypatch):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None)
+            == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+
+
+def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):
+    builder = _builder()
+    # 3 real decodes padded to a graph of 4 rows: the pad row has no tokens and the null block.
+    meta = builder.build(0, _cam([1, 1, 1, 0], [5, 2, 9, 0], [7, 3, 6, 0]))
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 4, 0)
+    assert meta.state_indices_d.tolist() == [7, 3, 6, 0]
+    first_ptr = meta.state_indices_d.data_ptr()
+    meta = builder.build(0, _cam([1, 1], [4, 4], [2, 5]))
+    assert meta.state_indices_d.tolist() == [2, 5] and meta.state_indices_d.data_ptr() == first_ptr
+
+
+def test_capture_metadata_counts_context_free_dummy_rows_as_decodes(full_graphs):
+    meta = _builder().build_for_cudagraph_capture(_cam([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]))
+    assert (meta.num_decodes, meta.num_prefills) == (4, 0)
+    with pytest.raises(ValueError, match="exceeds the 4 persistent state slots"):
+        _builder().build_for_cudagraph_capture(_cam([1] * 5, [0] * 5, [0] * 5))
+
+
+def test_batches_a_full_graph_cannot_replay_take_the_general_path(full_graphs):
+    builder = _builder()
+    mixed = builder.build(0, _cam([1, 4], [3, 0], [2, 5]))  # a prefill row
+    assert (mixed.num_decodes, mixed.num_prefills) == (1, 1)
+    fresh = builder.build(0, _cam([1, 1], [3, 0], [2, 5]))  # a fresh 1-token prompt has no state to resume
+    assert (fresh.num_decodes, fresh.num_prefills) == (1, 1) and fresh.has_initial_state_p.tolist() == [False]
+    big = builder.build(0, _cam([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
+    assert (big.num_decodes, big.num_prefills) == (6, 0)
+    assert big.state_indices_d.data_ptr() != builder._graph_slots.data_ptr()

@@ -176,3 +176,29 @@ def test_greedy_matches_hf_transformers_for_one_group(model_dirs, oracles):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
                               min_new_tokens=MAX_TOKENS, pad_token_id=0)
         assert tokens == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"
+
+
+def test_full_decode_graph_metadata_path_matches_recurrence(model_dirs, oracles, monkeypatch):
+    """VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1: decode-only steps take the builder's graph path (persistent
+    slot buffer). The CPU has no CUDA graphs, but the metadata and the mixer's decode path are the same."""
+    from conftest import make_llm
+
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    variant = "g2_tied"
+    llm = make_llm(model_dirs[variant], max_num_seqs=4)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    builder = runner.attn_groups[0][0].metadata_builders[0]
+    assert builder.full_decode_graphs
+    graph_steps = []
+    original = builder._build_graph_decode
+
+    def counting(*args, **kwargs):
+        meta = original(*args, **kwargs)
+        graph_steps.append(meta is not None)
+        return meta
+
+    builder._build_graph_decode = counting
+    prompts = _variant_prompts(variant, seed=9)
+    got, _ = _generate(llm, prompts)
+    assert got == [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    assert sum(graph_steps) >= MAX_TOKENS - 1, graph_steps  # decode-only steps took the graph path

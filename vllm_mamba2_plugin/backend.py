@@ -17,13 +17,22 @@ row (it honours has-initial-state), only less specialised.
 
 Slots: with mamba_cache_mode "none" each request owns one block, ``block_table_tensor[:, 0]``. Mamba state
 is never zeroed on allocation, so has-initial-state is what keeps a new request from seeing an old one's state.
+
+CUDA graphs: piecewise by default (the mixer op is a split point and runs eagerly). With
+VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1 the builder also supports FULL graphs of decode-only steps
+(UNIFORM_SINGLE_TOKEN_DECODE): the runner pads such a batch to a captured size with rows of zero tokens whose
+block-table entry is the null block; the builder then counts every row as a decode and hands the mixer a
+persistent slot buffer (same address at capture and replay) whose padded tail points at the null block 0, so
+the padded rows update a state nobody reads.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from . import compat
+from . import compat, envs
+
+NULL_BLOCK = 0  # the block pool's null block: padded rows may write there
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -86,6 +95,12 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
     # Ask the runner to move one-token rows to the front of the batch.
     reorder_batch_threshold: int = 1
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        if envs.full_decode_graphs():
+            return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
@@ -95,8 +110,29 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.chunk_size = int(vllm_config.model_config.hf_config.chunk_size)
         self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
+        # FULL decode graphs: one persistent slot buffer, as large as the largest captured decode batch.
+        self.full_decode_graphs = envs.full_decode_graphs()
+        self.decode_graph_max_bs = 0
+        if self.full_decode_graphs:
+            max_bs = vllm_config.scheduler_config.max_num_seqs
+            cap = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+            self.decode_graph_max_bs = min(max_bs, cap) if cap else max_bs
+            self._graph_slots = torch.full((self.decode_graph_max_bs,), NULL_BLOCK, dtype=torch.int64,
+                                           device=device)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
+        rows carry no context, so the usual rule would call them fresh prompts)."""
+        cam = common_attn_metadata
+        if cam.num_reqs > self.decode_graph_max_bs:
+            raise ValueError(
+                f"vllm-mamba2-plugin: a FULL decode CUDA graph of {cam.num_reqs} requests exceeds the "
+                f"{self.decode_graph_max_bs} persistent state slots; keep cudagraph capture sizes <= max_num_seqs"
+            )
+        return self.build(0, cam, _force_decode=True)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, _force_decode=False,
+              **kwargs):
         cam = common_attn_metadata
         num_reqs = cam.num_reqs
         qsl_cpu = cam.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
@@ -104,6 +140,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
         context_lens = seq_lens_cpu - query_lens
 
+        if self.full_decode_graphs:
+            graph_meta = self._build_graph_decode(cam, query_lens, context_lens, _force_decode)
+            if graph_meta is not None:
+                return graph_meta
         num_decodes = split_decodes_first(query_lens, context_lens)
         num_decode_tokens = int(qsl_cpu[num_decodes])
         num_prefills = num_reqs - num_decodes
@@ -133,4 +173,33 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             has_initial_state_p=has_init_p,
             query_start_loc_p_cpu=qsl_p_cpu,
             has_initial_state_p_cpu=has_init_p_cpu,
+        )
+
+    def _build_graph_decode(self, cam, query_lens, context_lens, force: bool):
+        """Decode-only batch that a FULL graph may replay: all real rows are one-token decodes, followed only
+        by padding rows of zero tokens. Returns None for any other batch (the general path handles it)."""
+        num_reqs = cam.num_reqs
+        if num_reqs == 0 or num_reqs > self.decode_graph_max_bs:
+            return None
+        real = query_lens > 0
+        num_real = int(real.sum())
+        if bool((~real[:num_real]).any()) or bool(real[num_real:].any()):
+            return None  # zero-token rows are not all at the end: not the runner's padding
+        if not force and not bool(((query_lens[:num_real] == 1) & (context_lens[:num_real] > 0)).all()):
+            return None
+        slots = self._graph_slots[:num_reqs]
+        slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
+        slots[num_real:].fill_(NULL_BLOCK)
+        return Mamba2PluginMetadata(
+            num_decodes=num_reqs,
+            num_decode_tokens=num_reqs,  # padded rows are tokens of the padded batch too
+            num_prefills=0,
+            num_prefill_tokens=0,
+            chunk_size=self.chunk_size,
+            state_indices_d=slots,
+            state_indices_p=slots[:0],
+            query_start_loc_p=self._no_prefill_qsl,
+            has_initial_state_p=self._no_prefill_flags,
+            query_start_loc_p_cpu=torch.zeros(1, dtype=torch.int32),
+            has_initial_state_p_cpu=torch.zeros(0, dtype=torch.bool),
         )

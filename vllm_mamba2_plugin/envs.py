@@ -4,6 +4,10 @@ VLLM_MAMBA2_PLUGIN_OVERRIDE   "1" (default): the plugin serves the stock HF arch
                               ``Mamba2ForCausalLM``. "0": vLLM's in-tree Mamba2 keeps that name, and the plugin
                               answers only to its own name (``Mamba2PluginForCausalLM``), so both can be compared
                               in one environment (``hf_overrides={"architectures": ["Mamba2PluginForCausalLM"]}``).
+VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
+                              "0" (default): piecewise CUDA graphs only (the mixer op runs eagerly between
+                              captured pieces). "1": decode-only steps also replay FULL CUDA graphs
+                              (experimental until proven on a GPU; see backend.py).
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
                               reference elsewhere. "reference": the reference everywhere (debugging, oracles).
 """
@@ -28,6 +32,10 @@ def _flag(name: str, default: bool) -> bool:
 
 def override_in_tree() -> bool:
     return _flag("VLLM_MAMBA2_PLUGIN_OVERRIDE", True)
+
+
+def full_decode_graphs() -> bool:
+    return _flag("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", False)
 
 
 def kernel_choice() -> str:

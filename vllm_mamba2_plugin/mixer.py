@@ -18,7 +18,7 @@ metadata from the forward context. in_proj and out_proj stay outside, in the com
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels
 from .spec import Mamba2StateSpec
@@ -32,6 +32,8 @@ def state_shapes(conv_kernel, conv_dim, num_heads, head_dim, state_size):
 
 
 class Mamba2Mixer(compat.MambaBase, nn.Module):
+    _decode_kernels_warm = False  # per process: Triton kernels compiled before any CUDA graph capture
+
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
         self.prefix = prefix
@@ -108,39 +110,29 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         meta = compat.layer_metadata(self.prefix)
         if meta is None:
             # Profile / dummy run: no requests, no state. Only the output shape matters.
+            if projected.is_cuda and envs.full_decode_graphs() and not Mamba2Mixer._decode_kernels_warm:
+                self._warm_decode_kernels(projected)
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
         k = get_kernels(projected.device)
         conv_state, ssm_state = compat.layer_states(self)
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
-        conv_w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
-        conv_b = self.conv1d.bias
-
         nd, n_tok = meta.num_decode_tokens, meta.num_actual_tokens
-        z, xBC, dt = torch.split(projected[:n_tok], [self.d_inner, self.conv_dim, H], dim=-1)
-        y = torch.empty((n_tok, H, P), dtype=projected.dtype, device=projected.device)
-
-        def split_xbc(t):
-            x, B, C = torch.split(t, [self.d_inner, G * N, G * N], dim=-1)
-            return x.reshape(-1, H, P), B.reshape(-1, G, N), C.reshape(-1, G, N)
+        z, xBC, dt = self._split_projection(projected[:n_tok])
+        y = torch.empty((n_tok, self.num_heads, self.head_dim), dtype=projected.dtype, device=projected.device)
 
         if meta.num_decodes > 0:
-            slots = meta.state_indices_d
-            xBC_d = k.conv_update(xBC[:nd], conv_state, conv_w, conv_b, slots, activation="silu")
-            x_d, B_d, C_d = split_xbc(xBC_d)
-            dt_d = k.process_dt(dt[:nd], self.dt_bias, self.dt_limit)
-            y[:nd] = k.ssm_state_update(ssm_state, x_d, dt_d, self.A, B_d, C_d, slots, D=self.D)
+            y[:nd] = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d)
 
         if meta.num_prefills > 0:
             slots = meta.state_indices_p
             xBC_p, conv_final = k.causal_conv1d(
-                xBC[nd:n_tok], conv_w, conv_b, meta.query_start_loc_p,
+                xBC[nd:n_tok], self._conv_weight(), self.conv1d.bias, meta.query_start_loc_p,
                 initial_states=conv_state[slots], has_initial_state=meta.has_initial_state_p,
                 activation="silu",
             )
             conv_state[slots] = conv_final.to(conv_state.dtype)
-            x_p, B_p, C_p = split_xbc(xBC_p)
+            x_p, B_p, C_p = self._split_xbc(xBC_p)
             dt_p = k.process_dt(dt[nd:n_tok], self.dt_bias, self.dt_limit)
             y_p, ssm_final = k.ssd_chunk_scan(
                 x_p, dt_p, self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
@@ -149,9 +141,48 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             ssm_state[slots] = ssm_final.to(ssm_state.dtype)
             y[nd:n_tok] = y_p
 
-        out[:n_tok] = k.gated_rms_norm(y.view(n_tok, self.d_inner), z, self.norm.weight, self.norm_eps,
-                                       self.norm_group_size)
+        out[:n_tok] = self._gated_norm(k, y, z)
         out[n_tok:] = 0
+
+    # ---- pieces shared by the forward and the kernel warm-up ----------------------------------------------
+    def _split_projection(self, projected):
+        """[z | xBC | dt] along the channel dim (views: same strides as the projection)."""
+        return torch.split(projected, [self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+
+    def _split_xbc(self, xBC):
+        G, N = self.n_groups, self.state_size
+        x, B, C = torch.split(xBC, [self.d_inner, G * N, G * N], dim=-1)
+        return x.reshape(-1, self.num_heads, self.head_dim), B.reshape(-1, G, N), C.reshape(-1, G, N)
+
+    def _conv_weight(self):
+        return self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+
+    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots):
+        """One token per row on top of the state in each row's slot: conv update, then SSM update."""
+        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots, activation="silu")
+        x, B, C = self._split_xbc(xBC)
+        dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
+        return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
+
+    def _gated_norm(self, k, y, z):
+        return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
+                                self.norm_group_size)
+
+    def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
+        """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
+        must not happen inside a capture). Runs once per process, in the profile run, on scratch state laid
+        out like the real inputs (slices of a projection). Batch sizes 1, 2 and 16 cover Triton's integer
+        specialisations (== 1, other, multiple of 16)."""
+        k = get_kernels(projected.device)
+        dev, conv_dtype, ssm_dtype = projected.device, *self.get_state_dtype()
+        conv_pool = torch.zeros((17, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
+        ssm_pool = torch.zeros((17, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype, device=dev)
+        for bs in (1, 2, 16):
+            z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
+            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, torch.arange(1, bs + 1, device=dev))
+            self._gated_norm(k, y.contiguous(), z)
+        torch.cuda.synchronize(dev)
+        Mamba2Mixer._decode_kernels_warm = True
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -132,3 +132,22 @@ def test_in_tree_vllm_agrees_on_cuda(model_dirs, oracles):
     assert result["model_class"].endswith("models.mamba2.Mamba2ForCausalLM")
     want = [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
     assert result["tokens"] == want
+
+
+def test_fp32_full_decode_graphs_greedy_slot_reuse(model_dirs, oracles, monkeypatch):
+    """VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1: decode-only steps replay FULL CUDA graphs (padded batches, a
+    persistent slot buffer, padding rows on the null block); mixed steps stay piecewise."""
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    variant = "g8_bias"
+    llm = _llm(model_dirs[variant], enforce_eager=False,
+               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    cc = llm.llm_engine.vllm_config.compilation_config
+    assert "FULL" in str(cc.cudagraph_mode), cc.cudagraph_mode
+    prompts = _prompts(variant, seed=4)
+    got, _ = _gen(llm, prompts)
+    assert got == [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    want = oracle_generate(oracles[variant], prompts[1], 12)[0]
+    for _ in range(2):  # 37 identical prompts: batches of 16, 16 and 5 (padded to 8)
+        got, _ = _gen(llm, [prompts[1]] * 37, max_tokens=12)
+        assert all(g == want for g in got)
+        _gen(llm, prompts[:3], max_tokens=5)
