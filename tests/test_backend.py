@@ -54,8 +54,6 @@ def test_build_mixed_batch():
     assert meta.query_start_loc_p.tolist() == [0, 1, 2, 6, 12]
     assert meta.has_initial_state_p.tolist() == [False, True, True, False]
     assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
-    assert meta.query_start_loc_p_cpu.tolist() == [0, 1, 2, 6, 12]
-    assert meta.has_initial_state_p_cpu.tolist() == [False, True, True, False]
 
 
 def test_build_decode_only_batch_has_empty_prefill_fields():

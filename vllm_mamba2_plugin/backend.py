@@ -72,9 +72,6 @@ class Mamba2PluginMetadata:
     state_indices_p: torch.Tensor  # (num_prefills,) int64, state slot of each prefill row
     query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
     has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
-    # Host copies, so that kernels that loop or size buffers per sequence never sync with the device.
-    query_start_loc_p_cpu: torch.Tensor
-    has_initial_state_p_cpu: torch.Tensor
 
     @property
     def num_actual_tokens(self) -> int:
@@ -150,8 +147,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
         slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
-        qsl_p_cpu = (qsl_cpu[num_decodes:] - num_decode_tokens).to(torch.int32)
-        has_init_p_cpu = context_lens[num_decodes:] > 0
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
         else:
@@ -171,8 +166,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             state_indices_p=slots[num_decodes:],
             query_start_loc_p=qsl_p,
             has_initial_state_p=has_init_p,
-            query_start_loc_p_cpu=qsl_p_cpu,
-            has_initial_state_p_cpu=has_init_p_cpu,
         )
 
     def _build_graph_decode(self, cam, query_lens, context_lens, force: bool):
@@ -200,6 +193,4 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             state_indices_p=slots[:0],
             query_start_loc_p=self._no_prefill_qsl,
             has_initial_state_p=self._no_prefill_flags,
-            query_start_loc_p_cpu=torch.zeros(1, dtype=torch.int32),
-            has_initial_state_p_cpu=torch.zeros(0, dtype=torch.bool),
         )
