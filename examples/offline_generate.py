@@ -34,7 +34,7 @@ def main() -> None:
         from vllm_mamba2_plugin import tiny_model
 
         model = os.path.normpath(DEFAULT_MODEL_DIR)
-        if not os.path.exists(os.path.join(model, "model.safetensors")):
+        if not tiny_model.is_built(model, tiny_model.PRESETS["default"]):
             tiny_model.build(model, tiny_model.PRESETS["default"])
             print(f"built the embedded default model in {model}")
 

@@ -50,12 +50,14 @@ class TinyMamba2Spec:
     time_step_limit: tuple = (0.0, float("inf"))
     logit_scale: float = 4.0
     seed: int = 0
+    train_steps: int = 0  # > 0: fit the weights to CORPUS (next-token loss) so that generation reads as text
 
 
 PRESETS = {
     # The README's embedded default: small enough for a laptop CPU, big enough to look like a model.
-    "default": TinyMamba2Spec(hidden_size=256, num_hidden_layers=4, num_heads=8, head_dim=64, n_groups=2,
-                              state_size=32, chunk_size=64, vocab_size=1024, seed=1234),
+    # Trained for a minute on CORPUS, so the demo continues prompts with (memorised) text.
+    "default": TinyMamba2Spec(hidden_size=128, num_hidden_layers=2, num_heads=8, head_dim=32, n_groups=2,
+                              state_size=32, chunk_size=64, vocab_size=512, seed=1234, train_steps=300),
     "test": TinyMamba2Spec(),
 }
 
@@ -117,6 +119,61 @@ def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in w.items()}
 
 
+def _forward_logits(w: dict, spec: TinyMamba2Spec, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """Training forward over packed sequences (ids: (T,), bounds cu), with the plugin's reference kernels
+    (plain differentiable torch). Same math as the served model; used only to fit the demo weights."""
+    from .kernels import reference as ref
+
+    def rms(h, weight):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    H, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.state_size
+    d_inner = H * P
+    h = w["backbone.embeddings.weight"][ids]
+    residual = torch.zeros_like(h)
+    for i in range(spec.num_hidden_layers):
+        p = f"backbone.layers.{i}."
+        residual = residual + h
+        proj = rms(residual, w[p + "norm.weight"]) @ w[p + "mixer.in_proj.weight"].T
+        z, xBC, dt = torch.split(proj, [d_inner, d_inner + 2 * G * N, H], dim=-1)
+        xBC, _ = ref.causal_conv1d(xBC, w[p + "mixer.conv1d.weight"][:, 0], w.get(p + "mixer.conv1d.bias"), cu)
+        x, B, C = torch.split(xBC, [d_inner, G * N, G * N], dim=-1)
+        dt = ref.process_dt(dt, w[p + "mixer.dt_bias"], spec.time_step_limit)
+        y, _ = ref.ssd_chunk_scan(x.reshape(-1, H, P), dt, -torch.exp(w[p + "mixer.A_log"]),
+                                  B.reshape(-1, G, N), C.reshape(-1, G, N), spec.chunk_size, cu,
+                                  D=w[p + "mixer.D"])
+        y = ref.gated_rms_norm(y.reshape(-1, d_inner), z, w[p + "mixer.norm.weight"], 1e-5, d_inner // G)
+        h = y @ w[p + "mixer.out_proj.weight"].T
+    head = w.get("lm_head.weight", w["backbone.embeddings.weight"])
+    return rms(residual + h, w["backbone.norm_f.weight"]) @ head.T
+
+
+def train_on_corpus(w: dict, spec: TinyMamba2Spec, tokenizer) -> dict:
+    """Fit the weights to CORPUS with a next-token loss (seeded, single-threaded: the same result on the
+    same CPU and torch build). Returns detached weights."""
+    ids = torch.tensor(tokenizer.encode(CORPUS).ids)
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    params = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.0)
+    window, batch = min(64, len(ids) - 1), 16
+    cu = torch.arange(batch + 1) * window
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(spec.train_steps):
+            starts = torch.randint(0, len(ids) - window, (batch,), generator=g)
+            seqs = torch.stack([ids[s: s + window + 1] for s in starts.tolist()])
+            logits = _forward_logits(params, spec, seqs[:, :-1].reshape(-1), cu)
+            loss = torch.nn.functional.cross_entropy(logits, seqs[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    print(f"trained {spec.train_steps} steps on the built-in corpus: final loss {loss.item():.3f}")
+    return {k: v.detach().contiguous() for k, v in params.items()}
+
+
 def hf_config_dict(spec: TinyMamba2Spec, tokenizer) -> dict:
     lo, hi = spec.time_step_limit
     return {
@@ -166,10 +223,24 @@ def build(out_dir: str, spec: TinyMamba2Spec | None = None, **overrides) -> str:
                    "clean_up_tokenization_spaces": False}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(spec, tokenizer), f, indent=2)
-    save_file(random_weights(spec), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(spec)
+    if spec.train_steps > 0:
+        weights = train_on_corpus(weights, spec, tokenizer)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "tiny_spec.json"), "w") as f:
         json.dump(asdict(spec), f, indent=2)
     return out_dir
+
+
+def is_built(out_dir: str, spec: TinyMamba2Spec) -> bool:
+    """True if out_dir holds a checkpoint this module built from exactly this spec."""
+    try:
+        with open(os.path.join(out_dir, "tiny_spec.json")) as f:
+            built = json.load(f)
+    except (OSError, ValueError):
+        return False
+    want = json.loads(json.dumps(asdict(spec)))  # tuples -> lists, as stored
+    return built == want and os.path.exists(os.path.join(out_dir, "model.safetensors"))
 
 
 def main() -> None:
