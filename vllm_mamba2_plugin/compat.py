@@ -94,7 +94,7 @@ def seq_lens_cpu(cam) -> torch.Tensor:
     return cam.seq_lens_cpu  # 0.26: a lazily copied property
 
 
-def static_forward_context(prefix: str) -> dict:
+def static_forward_context() -> dict:
     return get_current_vllm_config().compilation_config.static_forward_context
 
 

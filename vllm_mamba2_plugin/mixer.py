@@ -68,7 +68,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.out_proj = nn.Linear(self.d_inner, self.hidden_size, bias=config.use_bias)
 
         # vLLM finds its attention-like layers (to bind state and build metadata) through this dict.
-        static_ctx = compat.static_forward_context(prefix)
+        static_ctx = compat.static_forward_context()
         if prefix in static_ctx:
             raise ValueError(f"Duplicate layer name: {prefix}")
         static_ctx[prefix] = self
