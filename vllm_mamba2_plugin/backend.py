@@ -99,11 +99,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.kv_cache_spec = kv_cache_spec
-        self.layer_names = layer_names
-        self.vllm_config = vllm_config
-        self.device = device
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # stores the four arguments
         self.chunk_size = int(vllm_config.model_config.hf_config.chunk_size)
         self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
@@ -178,7 +174,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_real = int(real.sum())
         if bool((~real[:num_real]).any()) or bool(real[num_real:].any()):
             return None  # zero-token rows are not all at the end: not the runner's padding
-        if not force and not bool(((query_lens[:num_real] == 1) & (context_lens[:num_real] > 0)).all()):
+        if not force and split_decodes_first(query_lens[:num_real], context_lens[:num_real]) != num_real:
             return None
         slots = self._graph_slots[:num_reqs]
         slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
