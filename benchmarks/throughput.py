@@ -6,6 +6,12 @@
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
 that one engine. Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
+Implementations: ``plugin`` (defaults), ``plugin-full`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1: FULL CUDA
+graphs for decode-only steps; graph mode only), ``intree`` (vLLM's own Mamba2ForCausalLM).
+
+Every cell first runs its exact workload once, untimed (prompt + a few new tokens, or the whole prefill cell):
+Triton compiles a kernel per new integer specialisation (batch sizes, token counts), and a compile inside the
+timed run would be charged to the decode steps.
 
 Workloads: decode-heavy (prompt 512, 256 new tokens, batch 1 / 64 / 256) and prefill-heavy (prompt 4096,
 1 new token, batch 16). Reported per cell: output tok/s and total tok/s over the whole generate() call, the
@@ -53,9 +59,10 @@ def write_config(name: str, root: str) -> str:
     c = MODELS[name]
     path = os.path.join(root, f"mamba2-{name}-like")
     os.makedirs(path, exist_ok=True)
+    # No time_step_limit: the released Mamba2 checkpoints have none, so HF's default (0, inf) applies.
     cfg = dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", expand=2, conv_kernel=4,
                chunk_size=256, use_bias=False, use_conv_bias=True, hidden_act="silu", layer_norm_epsilon=1e-5,
-               rms_norm=True, residual_in_fp32=True, tie_word_embeddings=True, time_step_limit=[0.0, 1e9],
+               rms_norm=True, residual_in_fp32=True, tie_word_embeddings=True,
                bos_token_id=0, eos_token_id=2, pad_token_id=1, torch_dtype="bfloat16", **c)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -122,12 +129,14 @@ def worker(args) -> None:
     emit = dict(model=job["model"], impl=job["impl"], mode=job["mode"], model_class=cls, startup_s=startup,
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
     for batch in DECODE["batches"]:
+        run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
         el_pref, _, _ = run(batch, DECODE["prompt"], 1)
         print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
                                           new=DECODE["new"], seconds=el_full, prefill_seconds=el_pref,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
                                           decode_step_s=(el_full - el_pref) / (DECODE["new"] - 1))), flush=True)
+    run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
     el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
     print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
                                       new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
@@ -164,27 +173,34 @@ def markdown(rows, bw, cmd) -> str:
     by = {(r["model"], r["mode"], r["workload"], r["batch"], r["impl"]): r for r in rows}
     lines = [f"### {datetime.date.today().isoformat()} — {device_name()}, bf16 weights, measured copy bandwidth "
              f"{bw / 1e12:.2f} TB/s", "", f"`{cmd}`", "",
-             "| model | mode | workload | batch | ssm state | plugin out tok/s | in-tree out tok/s | ratio | "
-             "plugin total tok/s | in-tree total tok/s | plugin HBM-floor share | in-tree HBM-floor share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | mode | workload | batch | ssm state | plugin variant | plugin out tok/s | in-tree out tok/s | "
+             "ratio | plugin total tok/s | in-tree total tok/s | plugin step | in-tree step | "
+             "plugin HBM-floor share | in-tree HBM-floor share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(r, field, fmt="{:.0f}"):
+        return fmt.format(r[field]) if r and field in r else "—"
+
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
-        p, t = by.get(key + ("plugin",)), by.get(key + ("intree",))
-
-        def f(r, field, fmt="{:.0f}"):
-            return fmt.format(r[field]) if r and field in r else "—"
-
-        ratio = f"{p['out_tok_s'] / t['out_tok_s']:.2f}" if p and t else "—"
-        sd = (p or t)["state_dtypes"]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sd[1] if len(sd) > 1 else '?'} | "
-                     f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
-                     f"{f(t, 'total_tok_s')} | {f(p, 'floor_share', '{:.0%}')} | {f(t, 'floor_share', '{:.0%}')} |")
+        t = by.get(key + ("intree",))
+        variants = [v for v in ("plugin", "plugin-full") if key + (v,) in by] or [None]
+        for v in variants:
+            p = by.get(key + (v,)) if v else None
+            ratio = f"{p['out_tok_s'] / t['out_tok_s']:.2f}" if p and t else "—"
+            sd = (p or t)["state_dtypes"]
+            lines.append(
+                f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sd[1] if len(sd) > 1 else '?'} | {v or '—'} | "
+                f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
+                f"{f(t, 'total_tok_s')} | {f(p, 'decode_step_ms', '{:.2f} ms')} | "
+                f"{f(t, 'decode_step_ms', '{:.2f} ms')} | {f(p, 'floor_share', '{:.0%}')} | "
+                f"{f(t, 'floor_share', '{:.0%}')} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="130m")
-    ap.add_argument("--impls", default="plugin,intree")
+    ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-full, intree")
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -205,9 +221,13 @@ def main() -> None:
         model_dir = write_config(model, args.out)
         for mode in args.modes.split(","):
             for impl in args.impls.split(","):
-                env = dict(os.environ)
+                if impl == "plugin-full" and mode != "graph":
+                    continue  # FULL graphs need graph mode
+                env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
                 if impl == "intree":
                     env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
+                elif impl == "plugin-full":
+                    env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "1"
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
@@ -225,6 +245,7 @@ def main() -> None:
                         r["floor_step_s"] = (w + 2 * r["batch"] * s) / bw
                         r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
                         r["bytes_per_step"] = w + 2 * r["batch"] * s
+                        r["decode_step_ms"] = 1e3 * r["decode_step_s"]
                     rows.append(r)
                     with open(jsonl, "a") as f:
                         f.write(json.dumps(r) + "\n")

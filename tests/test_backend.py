@@ -9,7 +9,7 @@ from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadata
 
 
 def _builder(chunk=8, max_num_seqs=8, max_capture=4):
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk)),
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk, conv_kernel=4)),
                                   scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                                   compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture))
     return Mamba2PluginMetadataBuilder(None, ["l0"], vllm_config, torch.device("cpu"))
@@ -54,6 +54,30 @@ def test_build_mixed_batch():
     assert meta.query_start_loc_p.tolist() == [0, 1, 2, 6, 12]
     assert meta.has_initial_state_p.tolist() == [False, True, True, False]
     assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
+    assert meta.state_indices_d_i32.dtype == torch.int32 and meta.state_indices_d_i32.tolist() == [7, 2]
+    assert meta.prefill_plan is None  # the reference kernels take no plan
+
+
+def test_cuda_kernels_get_a_plan_from_the_host_bounds():
+    """With the CUDA kernels the builder adds the step's prefill plan, made from the runner's host copies; it
+    must describe the same batch as the device-side fields (which the reference path and the kernels'
+    has_initial_state selection read)."""
+    from vllm_mamba2_plugin.kernels import cuda
+
+    b = _builder(chunk=4)
+    b.kernels = cuda
+    cam = _cam([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4])
+    cam.query_start_loc = cam.query_start_loc + 1000  # the plan must not come from the device copies
+    cam.seq_lens = cam.seq_lens + 1000
+    meta = b.build(0, cam)
+    plan = meta.prefill_plan
+    assert plan.cu == [0, 1, 2, 6, 12] and plan.init_flags == [False, True, True, False]
+    assert plan.T == 12 and plan.nonempty == [0, 1, 2, 3]
+    assert plan.seq_idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
+    # Continuing sequences 1 (1 token) and 2 (4 tokens): blocks of 4 (the chunk), dummy row 12 as padding.
+    assert plan.init.block == 4 and plan.init.rows.tolist() == [1, 2]
+    assert plan.init.tok.tolist() == [[1, 12, 12, 12], [2, 3, 4, 5]]
+    assert sorted(plan.conv) == [3]  # conv width 4
 
 
 def test_build_decode_only_batch_has_empty_prefill_fields():

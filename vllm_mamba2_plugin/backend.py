@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat, envs
+from .kernels import get_kernels
 
 NULL_BLOCK = 0  # the block pool's null block: padded rows may write there
 
@@ -69,9 +70,11 @@ class Mamba2PluginMetadata:
     num_prefill_tokens: int
     chunk_size: int
     state_indices_d: torch.Tensor  # (num_decodes,) int64, state slot of each decode row
+    state_indices_d_i32: torch.Tensor  # the same, int32 (the conv kernel's index type)
     state_indices_p: torch.Tensor  # (num_prefills,) int64, state slot of each prefill row
     query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
     has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
+    prefill_plan: object = None  # kernels.plan_prefill of the prefill block (CUDA kernels; None otherwise)
 
     @property
     def num_actual_tokens(self) -> int:
@@ -100,7 +103,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # stores the four arguments
-        self.chunk_size = int(vllm_config.model_config.hf_config.chunk_size)
+        hf = vllm_config.model_config.hf_config
+        self.chunk_size = int(hf.chunk_size)
+        self.conv_width = int(hf.conv_kernel)
+        self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
         self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
         # FULL decode graphs: one persistent slot buffer, as large as the largest captured decode batch.
@@ -112,6 +118,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             self.decode_graph_max_bs = min(max_bs, cap) if cap else max_bs
             self._graph_slots = torch.full((self.decode_graph_max_bs,), NULL_BLOCK, dtype=torch.int64,
                                            device=device)
+            self._graph_slots_i32 = torch.full((self.decode_graph_max_bs,), NULL_BLOCK, dtype=torch.int32,
+                                               device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
@@ -143,6 +151,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
         slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
+        plan = None
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
         else:
@@ -152,16 +161,25 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             qsl = cam.query_start_loc[num_decodes: num_reqs + 1]
             qsl_p = (qsl - num_decode_tokens).to(torch.int32)
             has_init_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
+            # The CUDA kernels' index plan for this step, from the host copies (one pinned upload, shared by
+            # every layer): the prefill path then needs no host sync.
+            plan = self.kernels.plan_prefill(
+                qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0, num_prefill_tokens,
+                self.chunk_size, self.conv_width, self.device,
+            )
+        slots_d = slots[:num_decodes]
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             chunk_size=self.chunk_size,
-            state_indices_d=slots[:num_decodes],
+            state_indices_d=slots_d,
+            state_indices_d_i32=slots_d.to(torch.int32),
             state_indices_p=slots[num_decodes:],
             query_start_loc_p=qsl_p,
             has_initial_state_p=has_init_p,
+            prefill_plan=plan,
         )
 
     def _build_graph_decode(self, cam, query_lens, context_lens, force: bool):
@@ -176,9 +194,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return None  # zero-token rows are not all at the end: not the runner's padding
         if not force and split_decodes_first(query_lens[:num_real], context_lens[:num_real]) != num_real:
             return None
-        slots = self._graph_slots[:num_reqs]
+        slots, slots_i32 = self._graph_slots[:num_reqs], self._graph_slots_i32[:num_reqs]
         slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
         slots[num_real:].fill_(NULL_BLOCK)
+        slots_i32.copy_(slots)
         return Mamba2PluginMetadata(
             num_decodes=num_reqs,
             num_decode_tokens=num_reqs,  # padded rows are tokens of the padded batch too
@@ -186,6 +205,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             num_prefill_tokens=0,
             chunk_size=self.chunk_size,
             state_indices_d=slots,
+            state_indices_d_i32=slots_i32,
             state_indices_p=slots[:0],
             query_start_loc_p=self._no_prefill_qsl,
             has_initial_state_p=self._no_prefill_flags,

@@ -119,17 +119,21 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         conv_state, ssm_state = compat.layer_states(self)
         nd, n_tok = meta.num_decode_tokens, meta.num_actual_tokens
         z, xBC, dt = self._split_projection(projected[:n_tok])
-        y = torch.empty((n_tok, self.num_heads, self.head_dim), dtype=projected.dtype, device=projected.device)
 
-        if meta.num_decodes > 0:
-            y[:nd] = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d)
-
-        if meta.num_prefills > 0:
+        if meta.num_prefills == 0:  # decode-only step (every FULL-graph step): no staging buffer
+            y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
+                                  meta.state_indices_d_i32)
+        else:
+            y = torch.empty((n_tok, self.num_heads, self.head_dim), dtype=projected.dtype,
+                            device=projected.device)
+            if nd > 0:
+                y[:nd] = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
+                                           meta.state_indices_d_i32)
             slots = meta.state_indices_p
             xBC_p, conv_final = k.causal_conv1d(
                 xBC[nd:n_tok], self._conv_weight(), self.conv1d.bias, meta.query_start_loc_p,
                 initial_states=conv_state[slots], has_initial_state=meta.has_initial_state_p,
-                activation="silu",
+                activation="silu", plan=meta.prefill_plan,
             )
             conv_state[slots] = conv_final.to(conv_state.dtype)
             x_p, B_p, C_p = self._split_xbc(xBC_p)
@@ -137,12 +141,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y_p, ssm_final = k.ssd_chunk_scan(
                 x_p, dt_p, self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
                 initial_states=ssm_state[slots], has_initial_state=meta.has_initial_state_p, D=self.D,
+                plan=meta.prefill_plan,
             )
             ssm_state[slots] = ssm_final.to(ssm_state.dtype)
             y[nd:n_tok] = y_p
 
-        out[:n_tok] = self._gated_norm(k, y, z)
-        out[n_tok:] = 0
+        self._gated_norm(k, y, z, out=out[:n_tok])
+        if out.shape[0] > n_tok:
+            out[n_tok:] = 0
 
     # ---- pieces shared by the forward and the kernel warm-up ----------------------------------------------
     def _split_projection(self, projected):
@@ -157,16 +163,22 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _conv_weight(self):
         return self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
 
-    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots):
-        """One token per row on top of the state in each row's slot: conv update, then SSM update."""
-        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots, activation="silu")
+    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots, slots_i32):
+        """One token per row on top of the state in each row's slot: conv update, then SSM update.
+        slots / slots_i32: the same slot ids as int64 (SSM kernel: 64-bit pool offsets) and int32 (conv
+        kernel's type), both made once per step by the builder rather than cast here in every layer."""
+        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
         x, B, C = self._split_xbc(xBC)
+        if self.dt_limit[0] <= 0.0 and self.dt_limit[1] == float("inf"):
+            # softplus(dt + dt_bias) inside the state-update kernel: the default limit clamps nothing.
+            return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
+                                      dt_softplus=True)
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
         return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _gated_norm(self, k, y, z):
+    def _gated_norm(self, k, y, z, out=None):
         return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
-                                self.norm_group_size)
+                                self.norm_group_size, out=out)
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
@@ -179,8 +191,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         ssm_pool = torch.zeros((17, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype, device=dev)
         for bs in (1, 2, 16):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
-            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, torch.arange(1, bs + 1, device=dev))
-            self._gated_norm(k, y.contiguous(), z)
+            slots = torch.arange(1, bs + 1, device=dev)
+            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
+            self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
         torch.cuda.synchronize(dev)
         Mamba2Mixer._decode_kernels_warm = True
 

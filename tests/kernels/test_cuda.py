@@ -195,11 +195,13 @@ def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_s
     return out
 
 
-def _fake_rmsnorm(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-    """mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn (== its rms_norm_ref)."""
-    assert bias is None and weight.shape == (x.shape[-1],)
+def _fake_layer_norm_fwd(x, weight, bias, eps, z=None, out=None, group_size=None, norm_before_gate=True,
+                         is_rms_norm=False):
+    """mamba_ssm.ops.triton.layernorm_gated._layer_norm_fwd (== its rms_norm_ref), with its input checks."""
+    assert is_rms_norm and bias is None and weight.shape == (x.shape[-1],)
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1  # layernorm_gated.py:114-119
     if z is not None:
-        assert z.shape == x.shape
+        assert z.shape == x.shape and z.stride(-1) == 1
     xf = x.float()
     if z is not None and not norm_before_gate:
         xf = xf * F.silu(z.float())
@@ -208,13 +210,17 @@ def _fake_rmsnorm(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_befor
     o = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + eps)).view(xf.shape) * weight.float()
     if z is not None and norm_before_gate:
         o = o * F.silu(z.float())
-    return o.to(x.dtype)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.shape == x.shape and out.stride(-1) == 1
+    out.copy_(o.to(x.dtype))
+    return out, None, torch.empty(0)
 
 
 FAKE_KERNELS = SimpleNamespace(
     mamba_chunk_scan_combined=_fake_chunk_scan,
     selective_state_update=_fake_state_update,
-    rmsnorm_fn=_fake_rmsnorm,
+    layer_norm_fwd=_fake_layer_norm_fwd,
     causal_conv1d_fn=_fake_conv_fn,
     causal_conv1d_update=_fake_conv_update,
 )
@@ -329,16 +335,19 @@ def test_ssd_varlen_initial_states(kern, name, dtype):
     x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=1)
     h0 = garbage_states(gen(2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
     y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
-    assert y.dtype == x.dtype and fin.dtype == F32 and fin.shape == fin_r.shape
-    t = tol(kern, "ssd", dtype)
-    assert_close(y, y_r, t, "y")
-    assert_close(fin, fin_r, t, "final states")
-    for s in range(len(lens)):  # per-sequence check: a large sequence must not hide a wrong short one
-        a, b = int(cu[s]), int(cu[s + 1])
-        assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
-        assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
+    # Without a plan (built inside from the device bounds) and with the builder's plan (host bounds).
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], cs, 4, kern.dev)
+    for p in (None, plan):
+        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D, plan=p)
+        assert y.dtype == x.dtype and fin.dtype == F32 and fin.shape == fin_r.shape
+        t = tol(kern, "ssd", dtype)
+        assert_close(y, y_r, t, "y")
+        assert_close(fin, fin_r, t, "final states")
+        for s in range(len(lens)):  # per-sequence check: a large sequence must not hide a wrong short one
+            a, b = int(cu[s]), int(cu[s + 1])
+            assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+            assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
 
 
 @pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
@@ -394,8 +403,9 @@ def test_causal_conv1d_varlen(kern, dims, width, dtype):
     w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
     init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, dtype)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    for bias, act in ((b, "silu"), (None, None)):
-        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
+    for bias, act, p in ((b, "silu", None), (None, None, None), (b, "silu", plan)):
+        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act, plan=p)
         out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
         assert out.dtype == dtype and fin.dtype == dtype
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
@@ -507,6 +517,25 @@ def test_ssm_state_update_pool(kern, name, with_D, dtypes):
     assert torch.equal(raw[SLOTS, :ssm_off].cpu(), raw_r[SLOTS, :ssm_off].cpu()), "wrote outside the ssm state"
 
 
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssm_state_update_softplus_in_kernel(kern, name):
+    """Raw dt + dt_bias with dt_softplus=True (the mixer's decode path for the default time_step_limit) ==
+    the reference fed with process_dt's step sizes; large raw values cross softplus's threshold of 20."""
+    c = case(kern, name)
+    g = gen(61)
+    pool = rnd(g, 8, c.H, c.P, c.N).to(kern.dev)
+    pool_r = pool.clone()
+    x, _, A, B, C, D = ssd_inputs(c, [4], BF16, kern.dev, seed=62)
+    dt_raw = (4 * rnd(g, 4, c.H)).to(kern.dev, BF16)
+    dt_raw[0, 0] = 30.0  # above the threshold: linear
+    dt_bias = rnd(g, c.H, scale=0.5).to(kern.dev)
+    idx = torch.tensor([5, 0, 7, 2], dtype=torch.int64, device=kern.dev)
+    y = ck.ssm_state_update(pool, x, dt_raw, A, B, C, idx, D=D, dt_bias=dt_bias, dt_softplus=True)
+    y_r = ref.ssm_state_update(pool_r, x, ref.process_dt(dt_raw, dt_bias), A, B, C, idx, D=D)
+    assert_close(y, y_r, tol(kern, "ssm", BF16), "y")
+    assert_close(pool, pool_r, tol(kern, "ssm", F32), "states")
+
+
 # ------------------------------------------------------------------------------------------------------
 # gated RMSNorm
 # ------------------------------------------------------------------------------------------------------
@@ -528,6 +557,12 @@ def test_gated_rms_norm(kern, d_inner, n_groups, dtype):
         out_r = ref.gated_rms_norm(x, zz, w, 1e-5, gs)
         assert out.dtype == dtype and out.shape == x.shape
         assert_close(out, out_r, tol(kern, "norm", dtype), f"gated={zz is not None}")
+    # Into a caller's buffer (the mixer's op output), rows of a larger, padded tensor.
+    buf = torch.full((T + 5, d_inner), 7.0, dtype=dtype, device=kern.dev)
+    got = ck.gated_rms_norm(x, z, w, 1e-5, gs, out=buf[:T])
+    assert got.data_ptr() == buf.data_ptr()
+    assert_close(buf[:T], ref.gated_rms_norm(x, z, w, 1e-5, gs), tol(kern, "norm", dtype), "into out")
+    assert bool((buf[T:] == 7.0).all()), "wrote past out"
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
       y_t   += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
   computed in float32 for the continuing sequences only, batched over fixed-size token blocks (see
   ``_add_initial_state``). Rows flagged has_initial_state False never read initial_states (torch.where).
-  Host sync: sizes (cu_seqlens, has_initial_state) are needed on the host; pass CPU tensors (the metadata
-  has them: query_start_loc_p_cpu, has_initial_state_p_cpu) to make it free, otherwise one .tolist().
+  Host sync: sizes (cu_seqlens, has_initial_state) are needed on the host. The mixer passes the step's
+  ``plan_prefill`` (built by the metadata builder from host bounds, uploaded once): no sync. Without a plan,
+  one is built here (one .tolist() of device bounds).
 * ``causal_conv1d``: ONE ``causal_conv1d_fn`` call (channel-last, seq_idx) over an extended buffer
   [init_0, seq_0, init_1, seq_1, ...] where each sequence's K initial-state rows carry that sequence's
   seq_idx, so the kernel convolves through them; the same kernel with ``initial_states`` would again only
@@ -32,7 +33,8 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
 * ``ssm_state_update``: ONE ``selective_state_update(..., state_batch_indices=int64)`` in the multi-head
   form with dt/A/dt_bias/D broadcast by stride-0 ``expand`` (takes the kernel's TIE_HDIM scalar path).
-* ``gated_rms_norm``: ``rmsnorm_fn(group_size=..., norm_before_gate=False)``.
+* ``gated_rms_norm``: ``_layer_norm_fwd(group_size=..., norm_before_gate=False, is_rms_norm=True)`` (what
+  ``rmsnorm_fn`` runs, without its autograd wrapper, writing into the caller's buffer).
 * ``process_dt``: plain torch (reference's).
 """
 
@@ -40,14 +42,16 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from . import reference
 from .reference import _select_initial, process_dt  # noqa: F401  (process_dt is part of the interface)
+from .varlen_plan import InitCorrectionPlan, VarlenPlan, build_plan, conv_plan
 
 __all__ = [
+    "plan_prefill",
     "ssd_chunk_scan",
     "causal_conv1d",
     "conv_update",
@@ -72,7 +76,7 @@ def _kernels() -> SimpleNamespace:
     if _KERNELS is None:
         try:
             from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-            from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+            from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         except ImportError as e:
@@ -80,7 +84,7 @@ def _kernels() -> SimpleNamespace:
         _KERNELS = SimpleNamespace(
             mamba_chunk_scan_combined=mamba_chunk_scan_combined,
             selective_state_update=selective_state_update,
-            rmsnorm_fn=rmsnorm_fn,
+            layer_norm_fwd=_layer_norm_fwd,
             causal_conv1d_fn=causal_conv1d_fn,
             causal_conv1d_update=causal_conv1d_update,
         )
@@ -112,19 +116,17 @@ def _conv_unsupported(dim: int, width: int, x_dtype, w_dtype) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _host_bounds(
-    cu_seqlens: torch.Tensor, has_initial_state: Optional[torch.Tensor], have_init: bool
-) -> Tuple[List[int], List[bool]]:
-    """cu_seqlens and has_initial_state as host lists, with at most one device->host transfer."""
-    S = cu_seqlens.numel() - 1
-    if not have_init:
-        return cu_seqlens.tolist(), [False] * S
-    if has_initial_state is None:
-        return cu_seqlens.tolist(), [True] * S
-    if cu_seqlens.device.type != "cpu" and has_initial_state.device == cu_seqlens.device:
-        both = torch.cat([cu_seqlens.to(torch.int64), has_initial_state.to(torch.int64).view(-1)]).tolist()
-        return both[: S + 1], [bool(v) for v in both[S + 1:]]
-    return cu_seqlens.tolist(), [bool(v) for v in has_initial_state.view(-1).tolist()]
+def plan_prefill(
+    cu_seqlens_cpu: torch.Tensor,
+    has_initial_state_cpu: Optional[torch.Tensor],
+    num_tokens: int,
+    chunk_size: int,
+    conv_width: int,
+    device: torch.device,
+) -> VarlenPlan:
+    """The index plan of one step's prefill block, shared by every layer (see ``varlen_plan``): pass host
+    tensors; the result lives on ``device`` after one non-blocking copy. The reference kernels need none."""
+    return build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device)
 
 
 def _add_initial_state(
@@ -133,65 +135,41 @@ def _add_initial_state(
     dt: torch.Tensor,
     A: torch.Tensor,
     C: torch.Tensor,
-    seq_idx: torch.Tensor,
-    cu_k: Sequence[int],
-    cu_k_dev: torch.Tensor,
-    init_pos: Sequence[int],
+    ip: InitCorrectionPlan,
     h0: torch.Tensor,
-    block: int,
 ) -> torch.Tensor:
     """Add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear in h0).
 
     y: (Tu, H, P) float32 outputs of the kernel; fin: (S', H, P, N) float32 final states, updated in place.
-    dt: (Tu, H) processed; A: (H,); C: (Tu, G, N); seq_idx: (Tu,) int sequence of each token (0..S'-1);
-    cu_k / cu_k_dev: (S'+1) bounds (host list / device); init_pos: host list of the sequences (0..S'-1,
-    all non-empty) that carry a state; h0: (len(init_pos), H, P, N) float32 their initial states.
-    Returns y + correction (new tensor).
+    dt: (Tu, H) processed; A: (H,); C: (Tu, G, N); ip: the plan's blocks for the I sequences that carry a
+    state; h0: (I, H, P, N) float32 their initial states. Returns y + correction (new tensor).
 
     With a(t) = exp(sum_{k=start..t} dt_k A) (inclusive: h_t includes step t's decay):
         y_t += a(t) · (C_t · h0)     final += a(end-1) · h0.
     The C_t · h0 contraction needs h0 per token; gathering it per token would cost T·H·P·N memory, so tokens
-    are grouped in blocks of <= ``block`` tokens of one sequence (last block padded with a dummy token) and
+    are grouped in blocks of <= ``ip.block`` tokens of one sequence (last block padded with a dummy token) and
     each block is one small matmul against its sequence's h0: memory ~ (T_init/block + S_init)·H·P·N, the
     same order as the kernel's own per-chunk state tensor.
     """
     Tu, H, P = y.shape
     G, N = C.shape[-2], C.shape[-1]
     R = H // G
-    dev = y.device
-    I = len(init_pos)
+    I = h0.shape[0]
 
     # Log-decays summed in float64 over the packed batch, then differenced at sequence starts: float32
     # cumsums over thousands of tokens would lose ~1e-3 absolute in the exponent.
     dA = dt.to(torch.float64) * A.to(torch.float64)  # (Tu, H)
     csum = torch.cat([dA.new_zeros(1, H), dA.cumsum(0)])  # csum[i] = sum_{k<i}
-    tok_start = cu_k_dev.to(torch.long)[seq_idx.long()]  # (Tu,)
-    decay_tok = torch.exp(csum[1:] - csum[tok_start]).to(torch.float32)  # (Tu, H) a(t)
+    decay_tok = torch.exp(csum[1:] - csum[ip.tok_start]).to(torch.float32)  # (Tu, H) a(t)
 
-    starts = [cu_k[i] for i in init_pos]
-    ends = [cu_k[i + 1] for i in init_pos]
-    st = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)
-    en = torch.tensor(ends, dtype=torch.long).to(dev, non_blocking=True)
-    total = torch.exp(csum[en] - csum[st]).to(torch.float32)  # (I, H)
-    pos = torch.tensor(list(init_pos), dtype=torch.long).to(dev, non_blocking=True)
-    fin[pos] += total[:, :, None, None] * h0
+    total = torch.exp(csum[ip.end] - csum[ip.start]).to(torch.float32)  # (I, H)
+    fin[ip.pos] += total[:, :, None, None] * h0
 
-    # Token blocks (built on the host from host sizes, then one small copy).
-    lens = [e - s for s, e in zip(starts, ends)]
-    blk = max(1, min(block, 1 << (max(lens) - 1).bit_length()))
-    nblk = [(n + blk - 1) // blk for n in lens]
-    b_seq = torch.repeat_interleave(torch.arange(I), torch.tensor(nblk))  # (nb,)
-    first = torch.tensor([0] + nblk[:-1]).cumsum(0)
-    b_k = torch.arange(len(b_seq)) - first[b_seq]
-    tok = torch.tensor(starts)[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]  # (nb, blk)
-    tok = torch.where(tok < torch.tensor(ends)[b_seq, None], tok, torch.full_like(tok, Tu))  # Tu = dummy row
-    tok = tok.to(dev, non_blocking=True)
-    b_seq = b_seq.to(dev, non_blocking=True)
+    tok, blk = ip.tok, ip.block
     nb = tok.shape[0]
-
     Cb = torch.cat([C.to(torch.float32), C.new_zeros(1, G, N, dtype=torch.float32)])[tok]  # (nb, blk, G, N)
     ab = torch.cat([decay_tok, decay_tok.new_zeros(1, H)])[tok]  # (nb, blk, H)
-    hb = h0.reshape(I, G, R * P, N)[b_seq]  # (nb, G, R*P, N)
+    hb = h0.reshape(I, G, R * P, N)[ip.b_seq]  # (nb, G, R*P, N)
     corr = torch.matmul(Cb.permute(0, 2, 1, 3), hb.transpose(-1, -2))  # (nb, G, blk, R*P)
     corr = corr.view(nb, G, blk, R, P).permute(0, 2, 1, 3, 4).reshape(nb, blk, H, P) * ab[..., None]
 
@@ -211,11 +189,15 @@ def ssd_chunk_scan(
     initial_states: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
+    plan: Optional[VarlenPlan] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan over a packed varlen batch (contract: reference.ssd_chunk_scan).
 
     x: (T, H, P)  dt: (T, H) processed  A: (H,)  B, C: (T, G, N)  cu_seqlens: (S+1,) (CPU or device)
     initial_states: (S, H, P, N) or None  has_initial_state: (S,) bool or None (CPU or device)  D: (H,)|(H, P)
+    plan: ``plan_prefill`` of the same bounds (the mixer's path: no host sync); None builds one here, which
+    costs a sync for device bounds. A plan's flags take the place of has_initial_state's values for the
+    correction; has_initial_state still selects the returned states of empty sequences.
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) float32.
     """
     k = _kernels()
@@ -223,31 +205,22 @@ def ssd_chunk_scan(
     G, N = B.shape[-2], B.shape[-1]
     reference._groups(H, G)
     dev = x.device
-    cu, init_flags = _host_bounds(cu_seqlens, has_initial_state, initial_states is not None)
-    S = len(cu) - 1
-    if any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-    if S > 0 and cu[-1] > T:
-        raise ValueError(f"cu_seqlens ends at {cu[-1]} but x has only {T} tokens")
+    if plan is None:
+        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, chunk_size, (), dev)
+    elif plan.T != T:
+        raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
+    S = plan.S
     # (S, H, P, N) float32: zeros where not flagged, garbage-safe (torch.where, not a multiply).
     h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), torch.float32, dev)
     if initial_states is not None and h0.data_ptr() == initial_states.data_ptr():
         h0 = h0.clone()  # has_initial_state None + float32 input: never hand the caller's tensor back
     y = x.new_zeros(T, H, P)
-    if S == 0 or cu[-1] == cu[0]:
+    if not plan.nonempty:
         return y, h0
 
     # Only non-empty sequences go to the kernel: chunk_state_varlen would compute (end-1)//chunk for an
     # empty sequence at position 0 (ssd_chunk_state.py:661-675), and an empty one needs no work anyway.
-    lo, hi = cu[0], cu[-1]
-    ne = [s for s in range(S) if cu[s + 1] > cu[s]]
-    cu_k = [cu[ne[0]] - lo] + [cu[s + 1] - lo for s in ne]
-    Tu, Sk = hi - lo, len(ne)
-    cu_k_dev = torch.tensor(cu_k, dtype=torch.int32).to(dev, non_blocking=True)
-    seq_idx = torch.repeat_interleave(
-        torch.arange(Sk, dtype=torch.int32, device=dev), cu_k_dev.diff(), output_size=Tu
-    )  # (Tu,) int32, 0..S'-1: the kernels only compare ids for equality (ssd_bmm.py:84-88)
-
+    lo, hi = plan.cu[0], plan.cu[-1]
     out, varlen_states = k.mamba_chunk_scan_combined(
         x[lo:hi].unsqueeze(0),  # (1, Tu, H, P)
         dt[lo:hi].unsqueeze(0),  # (1, Tu, H): already softplus'ed and clamped -> dt_softplus=False
@@ -256,31 +229,25 @@ def ssd_chunk_scan(
         C[lo:hi].unsqueeze(0),
         int(chunk_size),
         D=D,
-        seq_idx=seq_idx.unsqueeze(0),
-        cu_seqlens=cu_k_dev,
+        seq_idx=plan.seq_idx.unsqueeze(0),  # int32 0..S'-1: the kernels only compare ids (ssd_bmm.py:84-88)
+        cu_seqlens=plan.cu_k,
         dt_softplus=False,
         return_final_states=False,
         return_varlen_states=True,
     )  # out: (1, Tu, H, P) x.dtype; varlen_states: (S', H, P, N) in C.dtype (the chunk states' dtype)
     fin_k = varlen_states.to(torch.float32)
 
-    init_pos = [i for i, s in enumerate(ne) if init_flags[s]]
-    if init_pos:
-        rows = torch.tensor([ne[i] for i in init_pos], dtype=torch.long).to(dev, non_blocking=True)
-        y_k = _add_initial_state(
-            out[0].to(torch.float32), fin_k, dt[lo:hi], A, C[lo:hi], seq_idx, cu_k, cu_k_dev, init_pos,
-            h0[rows], block=int(chunk_size),
-        )
+    if plan.init is not None and initial_states is not None:
+        y_k = _add_initial_state(out[0].to(torch.float32), fin_k, dt[lo:hi], A, C[lo:hi], plan.init,
+                                 h0[plan.init.rows])
         y[lo:hi] = y_k.to(x.dtype)
     else:
         y[lo:hi] = out[0]
 
-    fin = h0  # empty sequences keep their (selected) initial state
-    if Sk == S:
-        fin = fin_k
-    else:
-        fin[torch.tensor(ne, dtype=torch.long).to(dev, non_blocking=True)] = fin_k
-    return y, fin
+    if len(plan.nonempty) == S:
+        return y, fin_k
+    h0[plan.nonempty_dev] = fin_k  # empty sequences keep their (selected) initial state
+    return y, h0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -296,6 +263,7 @@ def causal_conv1d(
     initial_states: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
+    plan: Optional[VarlenPlan] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a packed varlen batch (contract: reference.causal_conv1d).
 
@@ -306,8 +274,9 @@ def causal_conv1d(
     Layout sent to the kernel, E = T + S*K rows, every row exactly once:
         row(init_s[j]) = cu[s] + s*K + j          row(token t of seq s) = t + (s+1)*K
         tokens t >= cu[S] (padding)  -> t + S*K, with seq_idx -1 (the kernel writes 0 for seq_idx < 0).
-    No host sync: all indices are computed on the device from cu_seqlens. (Unlike the reference, a
-    cu_seqlens not starting at 0 is not detected here.)
+    The row indices come from ``plan`` (``plan_prefill``, built once per step: no host sync); None builds
+    one here from cu_seqlens (a sync for device bounds). (Unlike the reference, a cu_seqlens not starting at
+    0 is not detected here.)
     """
     T, Dm = x.shape
     W = weight.shape[-1]
@@ -323,40 +292,32 @@ def causal_conv1d(
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     k = _kernels()
-    S = cu_seqlens.numel() - 1
     dev = x.device
+    if plan is None:
+        plan = build_plan(cu_seqlens, None, False, T, 1, (W,), dev)
+    elif plan.T != T:
+        raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
+    S = plan.S
     if S <= 0:
         return x.new_zeros(T, Dm), x.new_zeros(0, K, Dm)
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    cp = conv_plan(plan, K)
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, dev)
 
-    t = torch.arange(T, device=dev)
-    seq_of_tok = torch.searchsorted(cu[1:], t, right=True)  # (T,) in [0, S]; S = past the last sequence
-    tok_row = t + torch.clamp(seq_of_tok + 1, max=S) * K
-    s_ar = torch.arange(S, device=dev)
-    state_row = (cu[:-1] + s_ar * K)[:, None] + torch.arange(K, device=dev)[None, :]  # (S, K)
-
-    E = T + S * K
-    ext = torch.empty(E, Dm, dtype=x.dtype, device=dev)  # fresh, contiguous: 16-byte aligned rows
-    ext[tok_row] = x
-    ext[state_row.reshape(-1)] = init.reshape(S * K, Dm)
-    sidx = torch.empty(E, dtype=torch.int32, device=dev)  # int32, contiguous: causal_conv1d.cpp:195-198
-    sidx[tok_row] = torch.where(seq_of_tok < S, seq_of_tok, torch.full_like(seq_of_tok, -1)).to(torch.int32)
-    sidx[state_row.reshape(-1)] = s_ar.repeat_interleave(K).to(torch.int32)
+    ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=dev)  # fresh, contiguous: 16-byte aligned rows
+    ext[cp.tok_row] = x
+    ext[cp.state_row] = init.reshape(S * K, Dm)
 
     # Channel-last view (1, D, E), strides (D, 1, D): x.stride(1) == 1 selects the channel-last kernel, and
     # strides (0) and (2) are D, multiples of 8 (causal_conv1d.cpp:175-181). The output is empty_like(x), so
-    # it keeps these strides.
+    # it keeps these strides. seq_idx: int32, contiguous (causal_conv1d.cpp:195-198).
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
     out = k.causal_conv1d_fn(
-        ext.t().unsqueeze(0), weight, bias, seq_idx=sidx.unsqueeze(0), activation=activation
+        ext.t().unsqueeze(0), weight, bias, seq_idx=cp.seq_idx.unsqueeze(0), activation=activation
     )
-    y = out[0].t()[tok_row]  # (T, D); padding tokens are 0
-
-    end_row = cu[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
-    final = ext[(end_row[:, None] - K + torch.arange(K, device=dev)[None, :]).reshape(-1)].view(S, K, Dm)
+    y = out[0].t()[cp.tok_row]  # (T, D); padding tokens are 0
+    final = ext[cp.final_row].view(S, K, Dm)
     return y, final
 
 
@@ -415,10 +376,13 @@ def ssm_state_update(
     C: torch.Tensor,
     state_indices: torch.Tensor,
     D: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place (contract: reference.ssm_state_update).
 
-    ssm_states: (num_slots, H, P, N) pool (any slot stride)  x: (B, H, P)  dt: (B, H) processed  A: (H,)
+    ssm_states: (num_slots, H, P, N) pool (any slot stride)  x: (B, H, P)  dt: (B, H) processed, or raw with
+    dt_bias (H,) and dt_softplus=True (the kernel then computes softplus(dt + dt_bias))  A: (H,)
     B, C: (B, G, N)  state_indices: (B,) int  D: (H,) | (H, P) | None  returns y: (B, H, P) in x.dtype.
     """
     Bsz, H, P = x.shape
@@ -430,28 +394,38 @@ def ssm_state_update(
     dev = x.device
     # int64 indices: the Triton kernel offsets the pool by index * slot stride (selective_state_update.py:60-65)
     # and an int64 index keeps that product 64-bit for large pools. The kernel reads index pid_b at
-    # ptr + pid_b, so the tensor must be contiguous.
+    # ptr + pid_b, so the tensor must be contiguous. (No copy when the caller already passes int64.)
     idx = state_indices.to(device=dev, dtype=torch.int64).contiguous()
     # Multi-head form: dt (B, H, P), A (H, P, N), dt_bias (H, P), D (H, P), broadcast with stride 0 (as vLLM
     # does). With A, dt and dt_bias all stride-0 in the head dim the kernel takes its TIE_HDIM path
-    # (selective_state_update.py:199): one scalar dt and exp(dt*A) per head.
+    # (selective_state_update.py:199): one scalar dt and exp(dt*A) per head. The kernel loads dt in any float
+    # dtype and computes in float32, so dt is passed as it comes (no cast launch).
     # dt_bias and D must NOT be None here: the call site unpacks `*(t.stride(0), t.stride(1)) if t is not None
     # else 0`, i.e. `*0` -> TypeError for None (selective_state_update.py:207, 211), and line 199 evaluates
     # dt_bias.stride(-1) whenever A and dt are tied. So pass zeros (adding 0.0 to dt is exact).
-    dt3 = dt.to(torch.float32)[:, :, None].expand(Bsz, H, P)
+    dt3 = dt[:, :, None].expand(Bsz, H, P)
     A3 = A.to(torch.float32)[:, None, None].expand(H, P, N)
-    dt_bias = torch.zeros(H, 1, dtype=torch.float32, device=dev).expand(H, P)
-    if D is None:
-        D2 = torch.zeros(H, 1, dtype=torch.float32, device=dev).expand(H, P)
-    else:
-        D2 = D[:, None].expand(H, P) if D.dim() == 1 else D
+    bias2 = _zeros_h1(H, dev) if dt_bias is None else dt_bias.to(torch.float32)[:, None]
+    D2 = _zeros_h1(H, dev) if D is None else D
+    D2 = D2[:, None].expand(H, P) if D2.dim() == 1 else (D2.expand(H, P) if D2.shape[-1] == 1 else D2)
     # The kernel reads the state in its dtype, computes in float32 and stores back in the pool dtype; y comes
-    # from the float32 state (as the reference). dt_softplus=False: dt is already processed (and the kernel
-    # has no dt_limit clamp).
+    # from the float32 state (as the reference). dt_softplus uses threshold 20 (selective_state_update.py:102),
+    # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
     return k.selective_state_update(
-        ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=dt_bias, dt_softplus=False,
+        ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P), dt_softplus=bool(dt_softplus),
         state_batch_indices=idx,
     )
+
+
+_ZEROS: dict = {}
+
+
+def _zeros_h1(H: int, dev: torch.device) -> torch.Tensor:
+    """A cached (H, 1) float32 zero column per device (a fresh one per call would be one more launch per layer)."""
+    key = (H, dev)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(H, 1, dtype=torch.float32, device=dev)
+    return _ZEROS[key]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -465,17 +439,31 @@ def gated_rms_norm(
     weight: torch.Tensor,
     eps: float,
     group_size: int,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y = rmsnorm_per_group(x * silu(z)) * weight (contract: reference.gated_rms_norm).
 
-    x, z: (..., d_inner)  weight: (d_inner,)  group_size divides d_inner. Returns x.dtype.
+    x, z: (M, d_inner)  weight: (d_inner,)  group_size divides d_inner  out: (M, d_inner) or None (written
+    in place and returned). Returns x.dtype.
     mamba-ssm's kernel normalises each group of group_size channels (layernorm_gated.py:108-146) and gates
-    before the norm when norm_before_gate=False (:81-83), computing in float32.
+    before the norm when norm_before_gate=False (:81-83), computing in float32. ``_layer_norm_fwd`` is
+    called directly (as ``rmsnorm_fn`` does inside its autograd Function) to write into ``out`` and skip the
+    autograd wrapper: inference needs no backward.
     """
     d = x.shape[-1]
     if group_size <= 0 or d % group_size != 0:
         raise ValueError(f"d_inner ({d}) must be a multiple of group_size ({group_size})")
     if x.numel() == 0:
-        return x.new_empty(x.shape)
+        return x.new_empty(x.shape) if out is None else out
     k = _kernels()
-    return k.rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=False)
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    z2 = None if z is None else z.reshape(-1, d)
+    if z2 is not None and z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    if out is not None and (out.stride(-1) != 1 or out.shape != x2.shape):
+        raise ValueError(f"out must be ({x2.shape[0]}, {d}) with unit inner stride")
+    y, _, _ = k.layer_norm_fwd(x2, weight.contiguous(), None, eps, z=z2, out=out, group_size=group_size,
+                               norm_before_gate=False, is_rms_norm=True)
+    return y.view(x.shape)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "segsum",
+    "plan_prefill",
     "ssd_chunk_scan",
     "causal_conv1d",
     "conv_update",
@@ -72,6 +73,11 @@ def _seq_lens(cu_seqlens: torch.Tensor) -> list:
     if any(b < a for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
     return cu
+
+
+def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device):
+    """The reference kernels work from cu_seqlens directly: no per-step plan (see cuda.plan_prefill)."""
+    return None
 
 
 def _select_initial(
@@ -120,6 +126,7 @@ def ssd_chunk_scan(
     initial_states: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
+    plan: object = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan over a packed varlen batch.
 
@@ -260,6 +267,7 @@ def causal_conv1d(
     initial_states: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
+    plan: object = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a packed varlen batch.
 
@@ -369,12 +377,15 @@ def ssm_state_update(
     C: torch.Tensor,
     state_indices: torch.Tensor,
     D: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place.
 
     ssm_states: (num_slots, H, P, N) pool (any float dtype; compute in float32, store back in pool dtype)
-    x: (B, H, P)  dt: (B, H) processed step sizes  A: (H,)  B, C: (B, G, N)  state_indices: (B,) int64
-    D: (H,) (or (H, P)) or None
+    x: (B, H, P)  dt: (B, H) processed step sizes -- or raw, with dt_bias (H,) / dt_softplus: the step size is
+    then softplus(dt + dt_bias) (``process_dt`` without a limit)  A: (H,)  B, C: (B, G, N)
+    state_indices: (B,) int64  D: (H,) (or (H, P)) or None
     returns y: (B, H, P) in x.dtype.
 
     h = exp(dt A) h + dt x ⊗ B ;  y = h · C + D x. y is read from the float32 state before it is rounded to
@@ -387,7 +398,11 @@ def ssm_state_update(
     idx = state_indices.to(device=ssm_states.device, dtype=torch.long)
 
     h = ssm_states[idx].to(f32).view(Bsz, G, R, P, N)
-    dtf = dt.to(f32).view(Bsz, G, R)
+    if dt_bias is not None:
+        dt = dt.to(f32) + dt_bias.to(f32)
+    if dt_softplus:
+        dt = F.softplus(dt.to(f32))
+    dtf = dt.to(f32).reshape(Bsz, G, R)
     xf = x.to(f32).view(Bsz, G, R, P)
     Bf = B.to(f32)  # (B, g, n), shared by the R heads of a group
     Cf = C.to(f32)
@@ -431,6 +446,7 @@ def gated_rms_norm(
     weight: torch.Tensor,
     eps: float,
     group_size: int,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba2 gated RMSNorm with norm_before_gate=False: y = rmsnorm_per_group(x * silu(z)) * weight.
 
@@ -438,6 +454,7 @@ def gated_rms_norm(
     group_size channels (group_size = d_inner // n_groups) -- as mamba-ssm's RMSNormGated(group_size=...) and
     vLLM do (NOT over the whole width as HF transformers' CPU path does; see DESIGN.md §7: that is only
     equivalent for n_groups == 1). Compute in float32, return x.dtype. z = None means no gate.
+    out: optional buffer of x's shape, written and returned.
     """
     d = x.shape[-1]
     if group_size <= 0 or d % group_size != 0:
@@ -447,4 +464,8 @@ def gated_rms_norm(
         h = h * F.silu(z.to(torch.float32))
     hg = h.view(*h.shape[:-1], d // group_size, group_size)
     hg = hg * torch.rsqrt(hg.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (hg.view(h.shape) * weight.to(torch.float32)).to(x.dtype)
+    y = (hg.view(h.shape) * weight.to(torch.float32)).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y.view(out.shape))
+    return out

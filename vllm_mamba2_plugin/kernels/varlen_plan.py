@@ -1,0 +1,190 @@
+"""Index plans for the CUDA prefill wrappers: built once per engine step, on the host, shipped in one copy.
+
+Every mixer layer of a step runs ``cuda.causal_conv1d`` and ``cuda.ssd_chunk_scan`` on the same packed batch, so
+the index tensors they need (sequence ids, conv row layout, initial-state correction blocks) are the same for
+all layers. Computing them per layer cost ~20 small launches per layer and, worse, host syncs: the SSD kernels
+need sequence bounds on the host (``.tolist()`` of a device tensor waits for the GPU), and a host-to-device copy
+from pageable memory synchronises the stream too. A plan is computed from the runner's host copies of the
+bounds (free: the scheduler produced them) and uploaded with ONE non-blocking copy from pinned memory, so the
+prefill path of a step has no host sync at all.
+
+Notation as in ``reference.py`` / ``cuda.py``: S sequences with bounds ``cu`` (S+1), T tokens in x (tokens at
+and after cu[S] are padding), K = W-1 conv state rows, Tu = cu[S]-cu[0] tokens sent to the SSD kernel,
+S' = the non-empty sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+
+@dataclass
+class ConvPlan:
+    """Extended-buffer layout of ``cuda.causal_conv1d`` (see its docstring): E = T + S*K rows."""
+
+    K: int
+    E: int
+    tok_row: torch.Tensor  # (T,) long: row of each token in the extended buffer
+    state_row: torch.Tensor  # (S*K,) long: rows of each sequence's K initial-state inputs
+    seq_idx: torch.Tensor  # (E,) int32: sequence id of every row, -1 for padding tokens
+    final_row: torch.Tensor  # (S*K,) long: the last K rows of each [init_s, seq_s] block
+
+
+@dataclass
+class InitCorrectionPlan:
+    """Token blocks of ``cuda._add_initial_state`` for the sequences that carry an initial state."""
+
+    block: int  # tokens per block (a power of two <= the SSD chunk size)
+    tok_start: torch.Tensor  # (Tu,) long: first token of each token's sequence (relative to cu[0])
+    start: torch.Tensor  # (I,) long: bounds of the I continuing sequences
+    end: torch.Tensor  # (I,) long
+    pos: torch.Tensor  # (I,) long: their index among the S' non-empty sequences
+    rows: torch.Tensor  # (I,) long: their index among all S sequences (rows of initial_states)
+    tok: torch.Tensor  # (nb, block) long: the tokens of each block, Tu (a zero dummy row) past the end
+    b_seq: torch.Tensor  # (nb,) long: the continuing sequence (0..I-1) of each block
+
+
+@dataclass
+class VarlenPlan:
+    # host
+    cu: List[int]  # (S+1) token bounds
+    init_flags: List[bool]  # (S) does sequence s start from a saved state
+    T: int  # tokens in x (>= cu[S])
+    nonempty: List[int]  # the S' non-empty sequences
+    # device
+    cu_k: torch.Tensor  # (S'+1,) int32 bounds of the non-empty sequences, relative to cu[0]
+    seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
+    nonempty_dev: torch.Tensor  # (S',) long
+    init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
+    conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; filled by ``conv_plan``
+
+    @property
+    def S(self) -> int:
+        return len(self.cu) - 1
+
+
+def _upload(host: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """Many small host int tensors -> device, with one copy (pinned and non-blocking on CUDA)."""
+    names = list(host)
+    flat = [host[n].reshape(-1).to(torch.int64) for n in names]
+    buf = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64)
+    if device.type == "cuda":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = buf.to(device)
+    out, off = {}, 0
+    for n, f in zip(names, flat):
+        out[n] = buf[off: off + f.numel()].view(host[n].shape)
+        off += f.numel()
+    return out
+
+
+def build_plan(
+    cu_seqlens: torch.Tensor,
+    has_initial_state: Optional[torch.Tensor],
+    have_initial_states: bool,
+    num_tokens: int,
+    chunk_size: int,
+    conv_widths: tuple = (),
+    device: torch.device = torch.device("cpu"),
+) -> VarlenPlan:
+    """Plan of one packed batch.
+
+    cu_seqlens: (S+1,) int; has_initial_state: (S,) bool or None (None: all True when have_initial_states);
+    num_tokens: T, the tokens of x; chunk_size: the SSD chunk (correction blocks are at most this long);
+    conv_widths: the conv widths W to lay out for ``causal_conv1d`` (usually one).
+    Pass CPU tensors: device tensors work but cost a sync (``.tolist()``).
+    """
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    S = len(cu) - 1
+    if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    if S > 0 and cu[-1] > num_tokens:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but x has only {num_tokens} tokens")
+    if not have_initial_states:
+        flags = [False] * S
+    elif has_initial_state is None:
+        flags = [True] * S
+    else:
+        flags = [bool(v) for v in has_initial_state.reshape(-1).tolist()]
+        if len(flags) != S:
+            raise ValueError(f"has_initial_state has {len(flags)} entries for {S} sequences")
+
+    lo = cu[0] if S > 0 else 0
+    ne = [s for s in range(S) if cu[s + 1] > cu[s]]
+    cu_k = [0] + [cu[s + 1] - lo for s in ne]
+    Tu = cu_k[-1]
+    host = {
+        "cu_k": torch.tensor(cu_k),
+        "seq_idx": torch.repeat_interleave(torch.arange(len(ne)), torch.tensor(cu_k).diff(), output_size=Tu),
+        "nonempty": torch.tensor(ne, dtype=torch.long),
+    }
+
+    init_pos = [i for i, s in enumerate(ne) if flags[s]]
+    if init_pos:
+        starts = [cu_k[i] for i in init_pos]
+        ends = [cu_k[i + 1] for i in init_pos]
+        lens = [e - s for s, e in zip(starts, ends)]
+        # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
+        blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
+        nblk = [(n + blk - 1) // blk for n in lens]
+        b_seq = torch.repeat_interleave(torch.arange(len(init_pos)), torch.tensor(nblk))
+        first = torch.tensor([0] + nblk[:-1]).cumsum(0)
+        b_k = torch.arange(len(b_seq)) - first[b_seq]
+        tok = torch.tensor(starts)[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
+        tok = torch.where(tok < torch.tensor(ends)[b_seq, None], tok, torch.full_like(tok, Tu))
+        host.update({
+            "i_tok_start": torch.tensor(cu_k)[host["seq_idx"]],
+            "i_start": torch.tensor(starts), "i_end": torch.tensor(ends),
+            "i_pos": torch.tensor(init_pos), "i_rows": torch.tensor([ne[i] for i in init_pos]),
+            "i_tok": tok, "i_b_seq": b_seq,
+        })
+
+    for W in conv_widths:
+        host.update({f"c{W - 1}_{k}": v for k, v in _conv_host(cu, num_tokens, W - 1).items()})
+
+    dev = _upload(host, device)
+    plan = VarlenPlan(
+        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne,
+        cu_k=dev["cu_k"].to(torch.int32), seq_idx=dev["seq_idx"].to(torch.int32), nonempty_dev=dev["nonempty"],
+    )
+    if init_pos:
+        plan.init = InitCorrectionPlan(
+            block=blk, tok_start=dev["i_tok_start"], start=dev["i_start"], end=dev["i_end"], pos=dev["i_pos"],
+            rows=dev["i_rows"], tok=dev["i_tok"], b_seq=dev["i_b_seq"],
+        )
+    for W in conv_widths:
+        K = W - 1
+        plan.conv[K] = ConvPlan(
+            K=K, E=num_tokens + S * K, tok_row=dev[f"c{K}_tok_row"], state_row=dev[f"c{K}_state_row"],
+            seq_idx=dev[f"c{K}_seq_idx"].to(torch.int32), final_row=dev[f"c{K}_final_row"],
+        )
+    return plan
+
+
+def _conv_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
+    """Rows of the extended buffer [init_0, seq_0, init_1, seq_1, ...] (cu must start at 0):
+    row(init_s[j]) = cu[s] + s*K + j; row(token t of seq s) = t + (s+1)*K; padding token t >= cu[S] -> t + S*K."""
+    S = len(cu) - 1
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    t = torch.arange(T)
+    seq_of_tok = torch.searchsorted(cu_t[1:], t, right=True)  # (T,) in [0, S]; S = past the last sequence
+    tok_row = t + torch.clamp(seq_of_tok + 1, max=S) * K
+    s_ar = torch.arange(S)
+    state_row = ((cu_t[:-1] + s_ar * K)[:, None] + torch.arange(K)[None, :]).reshape(-1)
+    seq_idx = torch.empty(T + S * K, dtype=torch.long)
+    seq_idx[tok_row] = torch.where(seq_of_tok < S, seq_of_tok, torch.full_like(seq_of_tok, -1))
+    seq_idx[state_row] = s_ar.repeat_interleave(K)
+    end_row = cu_t[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
+    final_row = (end_row[:, None] - K + torch.arange(K)[None, :]).reshape(-1)
+    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row}
+
+
+def conv_plan(plan: VarlenPlan, K: int) -> ConvPlan:
+    if K not in plan.conv:
+        raise ValueError(f"this VarlenPlan has no conv layout for width {K + 1} (built for widths "
+                         f"{sorted(k + 1 for k in plan.conv)})")
+    return plan.conv[K]
