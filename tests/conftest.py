@@ -35,6 +35,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """On the GPU machine a step can hit its time limit before pytest's summary prints the tracebacks: with
+    MAMBA2_TESTS_INSTAFAIL=1 each failure is printed (to stderr, uncaptured) the moment it happens."""
+    if report.failed and os.environ.get("MAMBA2_TESTS_INSTAFAIL") == "1":
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+        sys.stderr.flush()
+
+
 # Tiny model variants: vary n_groups, chunk_size, head_dim, conv width/bias, biases, tied embeddings.
 MODEL_VARIANTS = {
     "g1": dict(n_groups=1, chunk_size=8, num_heads=8, head_dim=16, conv_kernel=4, use_conv_bias=True,
