@@ -77,13 +77,17 @@ def _kernels() -> SimpleNamespace:
         try:
             from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
             from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+            from mamba_ssm.ops.triton.selective_state_update import (
+                _selective_scan_update_kernel,
+                selective_state_update,
+            )
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         _KERNELS = SimpleNamespace(
             mamba_chunk_scan_combined=mamba_chunk_scan_combined,
             selective_state_update=selective_state_update,
+            ssu_kernel=_selective_scan_update_kernel,
             layer_norm_fwd=_layer_norm_fwd,
             causal_conv1d_fn=causal_conv1d_fn,
             causal_conv1d_update=causal_conv1d_update,
@@ -378,12 +382,15 @@ def ssm_state_update(
     D: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
+    launch: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place (contract: reference.ssm_state_update).
 
     ssm_states: (num_slots, H, P, N) pool (any slot stride)  x: (B, H, P)  dt: (B, H) processed, or raw with
     dt_bias (H,) and dt_softplus=True (the kernel then computes softplus(dt + dt_bias))  A: (H,)
     B, C: (B, G, N)  state_indices: (B,) int  D: (H,) | (H, P) | None  returns y: (B, H, P) in x.dtype.
+    launch: (BLOCK_SIZE_M, num_warps) for the kernel; None: ``ssu_launch_config`` (the upstream launch when it
+    has no entry).
     """
     Bsz, H, P = x.shape
     N = ssm_states.shape[-1]
@@ -411,10 +418,50 @@ def ssm_state_update(
     # The kernel reads the state in its dtype, computes in float32 and stores back in the pool dtype; y comes
     # from the float32 state (as the reference). dt_softplus uses threshold 20 (selective_state_update.py:102),
     # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
-    return k.selective_state_update(
-        ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P), dt_softplus=bool(dt_softplus),
-        state_batch_indices=idx,
-    )
+    cfg = launch if launch is not None else ssu_launch_config(Bsz, H, N, ssm_states.dtype)
+    if cfg is None:
+        return k.selective_state_update(
+            ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P),
+            dt_softplus=bool(dt_softplus), state_batch_indices=idx,
+        )
+    return _launch_ssu(k, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
+
+
+# (BLOCK_SIZE_M, num_warps) of mamba-ssm's ``_selective_scan_update_kernel``, by d_state and by
+# batch * heads (the kernel's grid is (head_dim / BLOCK_SIZE_M, batch, heads)). mamba-ssm's wrapper always
+# launches (4, 4) for d_state 128 (selective_state_update.py:193-197). Empty: the upstream launch is used
+# (see benchmarks/ssu_launch.py, which measures the candidates on the GPU, and RESULTS.md).
+SSU_LAUNCH_TABLE: dict = {}  # {d_state: [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending}
+
+
+def ssu_launch_config(batch: int, nheads: int, dstate: int, state_dtype: torch.dtype) -> Optional[Tuple[int, int]]:
+    rows = SSU_LAUNCH_TABLE.get(dstate)
+    if not rows:
+        return None
+    eff, cfg = batch * nheads, None
+    for lo, c in rows:
+        if eff >= lo:
+            cfg = c
+    return cfg
+
+
+def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
+    """mamba-ssm's ``_selective_scan_update_kernel`` launched exactly as its wrapper does
+    (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count."""
+    batch, nheads, dim = x.shape
+    dstate = state.shape[-1]
+    out = torch.empty_like(x)
+    grid = ((dim + block_m - 1) // block_m, batch, nheads)
+    tie_hdim = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0
+    with torch.cuda.device(x.device.index):
+        k.ssu_kernel[grid](
+            state, x, dt, dt_bias, A, B, C, D, None, out, idx,
+            batch, nheads, dim, dstate, nheads // B.shape[1],
+            *state.stride(), *x.stride(), *dt.stride(), *dt_bias.stride(), *A.stride(), *B.stride(),
+            *C.stride(), *D.stride(), 0, 0, 0, *out.stride(),
+            dt_softplus, tie_hdim, block_m, num_warps=num_warps,
+        )
+    return out
 
 
 _ZEROS: dict = {}

@@ -1,0 +1,128 @@
+"""Launch configs of mamba-ssm's selective-state-update kernel (the decode step's largest cost), on the GPU.
+
+    python benchmarks/ssu_launch.py [--out results.jsonl]
+
+mamba-ssm's wrapper launches ``_selective_scan_update_kernel`` with (BLOCK_SIZE_M, num_warps) = (4, 4) for
+d_state 128 whatever the batch; vLLM's in-tree copy of the same kernel reads tuned H200 configs
+(vllm/model_executor/layers/mamba/ops/configs/selective_state_update/). This runs the plugin's CUDA
+``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128, bf16 state) at
+batch 1 / 64 / 256 with the upstream launch and with candidate configs, and reports device time per call
+(CUDA-graph replay of 20 calls) and achieved state bandwidth (read + write of batch * H * P * N states).
+Every config's output and states are checked against the upstream launch and against the plain-torch
+reference (``kernels.reference.ssm_state_update``) from the same initial pool.
+
+Needs only torch, triton and mamba-ssm's Triton files (not vLLM, not causal-conv1d): on the GPU machine
+PYTHONPATH can point at the unpacked mamba-ssm source tree.
+"""
+
+import argparse
+import json
+import sys
+import types
+
+import torch
+
+SHAPES = {"130m": (24, 1), "2.7b": (80, 1), "7b": (128, 8)}  # heads, groups; head_dim 64, d_state 128
+P, N = 64, 128
+CANDIDATES = [None, (8, 2), (16, 1), (16, 2), (32, 2), (32, 4)]  # None = mamba-ssm's own launch (4, 4)
+
+
+def load_kernels():
+    """mamba-ssm's selective_state_update module without running mamba_ssm/__init__ (which imports the
+    Mamba1 CUDA extension and causal-conv1d)."""
+    import importlib
+    import importlib.util
+    import os
+
+    if "mamba_ssm" not in sys.modules:
+        spec = importlib.util.find_spec("mamba_ssm")
+        root = list(spec.submodule_search_locations)[0]
+        for name, path in (("mamba_ssm", root), ("mamba_ssm.ops", os.path.join(root, "ops")),
+                           ("mamba_ssm.ops.triton", os.path.join(root, "ops", "triton"))):
+            m = types.ModuleType(name)
+            m.__path__ = [path]
+            sys.modules[name] = m
+    ssu = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
+    return types.SimpleNamespace(selective_state_update=ssu.selective_state_update,
+                                 ssu_kernel=ssu._selective_scan_update_kernel)
+
+
+def device_time_us(fn, reps=20, replays=5) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * replays)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="130m,2.7b,7b")
+    ap.add_argument("--batches", default="1,64,256")
+    args = ap.parse_args()
+    from vllm_mamba2_plugin.kernels import cuda, reference
+
+    cuda._KERNELS = load_kernels()  # only the state-update entry points are used here
+    dev = torch.device("cuda")
+    out_f = open(args.out, "a") if args.out else None
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for shape in args.shapes.split(","):
+        H, G = SHAPES[shape]
+        for bs in [int(b) for b in args.batches.split(",")]:
+            slots = 2 * bs + 1
+            pool0 = (0.5 * torch.randn(slots, H, P, N, generator=g)).to(dev, torch.bfloat16)
+            idx = torch.randperm(slots, generator=g)[:bs].to(dev)
+            x = torch.randn(bs, H, P, generator=g).to(dev, torch.bfloat16)
+            dt = torch.randn(bs, H, generator=g).to(dev, torch.bfloat16)
+            dt_bias = (0.5 * torch.randn(H, generator=g)).to(dev)
+            A = -torch.exp(torch.rand(H, generator=g) * 2.7).to(dev)
+            Bm, Cm = (torch.randn(bs, G, N, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+            D = torch.randn(H, generator=g).to(dev)
+
+            ref_pool = pool0.clone()
+            y_ref = reference.ssm_state_update(ref_pool, x, reference.process_dt(dt, dt_bias), A, Bm, Cm, idx, D=D)
+            up_pool = pool0.clone()
+            y_up = cuda.ssm_state_update(up_pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True)
+            base_us = None
+            for cfg in CANDIDATES:
+                pool = pool0.clone()
+                y = cuda.ssm_state_update(pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                          launch=cfg)
+                err_up = (y.float() - y_up.float()).abs().max().item()
+                err_ref = (y.float() - y_ref.float()).abs().max().item() / max(y_ref.float().abs().max().item(), 1e-6)
+                st_ref = ((pool[idx].float() - ref_pool[idx].float()).abs().max().item()
+                          / max(ref_pool[idx].float().abs().max().item(), 1e-6))
+                untouched = torch.ones(slots, dtype=torch.bool, device=dev)
+                untouched[idx] = False
+                ok_untouched = torch.equal(pool[untouched], pool0[untouched])
+                us = device_time_us(lambda: cuda.ssm_state_update(pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias,
+                                                                  dt_softplus=True, launch=cfg))
+                base_us = us if cfg is None else base_us
+                gbs = 2 * bs * H * P * N * 2 / (us * 1e-6) / 1e9
+                row = dict(shape=shape, batch=bs, heads=H, groups=G, config=cfg or "upstream (4, 4)", us=round(us, 2),
+                           state_GBps=round(gbs), speedup=round(base_us / us, 2), max_abs_diff_vs_upstream=err_up,
+                           rel_err_vs_reference=round(err_ref, 5), state_rel_err_vs_reference=round(st_ref, 5),
+                           untouched_slots_identical=ok_untouched)
+                print(json.dumps(row), flush=True)
+                if out_f:
+                    out_f.write(json.dumps(row) + "\n")
+                    out_f.flush()
+
+
+if __name__ == "__main__":
+    main()
