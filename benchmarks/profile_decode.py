@@ -1,8 +1,10 @@
-"""Profile one engine's decode steps with torch.profiler (in-process engine core) and print where time goes.
+"""Profile one engine's decode steps (or prefill steps) with torch.profiler (in-process engine core) and print
+where time goes.
 
     python benchmarks/profile_decode.py --model 130m --batch 1 --mode graph [--impl intree]
+    python benchmarks/profile_decode.py --model 130m --workload prefill [--impl intree]   # 16 x 4096, 1 new
 
-Prints the top ops by self CPU time and by device time for a few decode steps, and the measured step time.
+Prints the top ops by self CPU time and by device time, and the measured step (or prefill) time.
 """
 
 import argparse
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--impl", default="plugin", choices=["plugin", "intree"])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--workload", default="decode", choices=["decode", "prefill"])
     args = ap.parse_args()
     if args.impl == "intree":
         os.environ["VLLM_PLUGINS"] = ""
@@ -35,12 +38,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model_dir = throughput.write_config(args.model, tempfile.mkdtemp())
-    kw = dict(model=model_dir, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
+    prefill = args.workload == "prefill"
+    if prefill:
+        args.batch = throughput.PREFILL["batch"]
+    kw = dict(model=model_dir, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=throughput.PREFILL["prompt"] + 16 if prefill else 1024,
               max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.3, enforce_eager=args.mode == "eager")
     if args.mode == "graph":
         kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, args.batch})}
     llm = LLM(**kw)
-    prompts = [TokensPrompt(prompt_token_ids=list(range(10, 74))) for _ in range(args.batch)]
+    plen = throughput.PREFILL["prompt"] if prefill else 64
+    prompts = [TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(plen)]) for i in range(args.batch)]
 
     def gen(n):
         torch.cuda.synchronize()
@@ -50,10 +58,14 @@ def main() -> None:
         return time.perf_counter() - t
 
     gen(4)
-    t1, tn = gen(1), gen(1 + args.steps)
-    print(f"{args.impl}/{args.mode} batch {args.batch}: decode step {(tn - t1) / args.steps * 1e3:.2f} ms")
+    if prefill:
+        gen(1)
+        print(f"{args.impl}/{args.mode} prefill {args.batch} x {plen}: {gen(1) * 1e3:.1f} ms")
+    else:
+        t1, tn = gen(1), gen(1 + args.steps)
+        print(f"{args.impl}/{args.mode} batch {args.batch}: decode step {(tn - t1) / args.steps * 1e3:.2f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        gen(1 + args.steps)
+        gen(1 if prefill else 1 + args.steps)
     ka = prof.key_averages()
     print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -17,7 +17,11 @@ Workloads: decode-heavy (prompt 512, 256 new tokens, batch 1 / 64 / 256) and pre
 1 new token, batch 16). Reported per cell: output tok/s and total tok/s over the whole generate() call, the
 plugin / in-tree ratio of output tok/s, and for decode cells the share of the HBM floor:
     floor per decode step = (weight bytes + 2 * batch * state bytes) / measured copy bandwidth
-    decode time           = time(prompt + N new) - time(prompt + 1 new), over N - 1 steps
+    decode step           = (time(prompt + N new) - time(prompt + M new)) / (N - M),  N = 256, M = 32
+The two runs share the same start (prompts longer than max_num_batched_tokens are prefilled in chunks, mixed
+with the first requests' first decodes) and the same staggered finish, so their difference is N - M full-batch
+decode steps. (Until 2026-12-02 the harness used M = 1, which charged the mixed prefill/decode steps of batches
+64 and 256 to the decode steps; results before that say so.)
 Results go out as JSON lines as they come (a run cut short still reports what finished).
 """
 
@@ -40,11 +44,11 @@ MODELS = {
     "7b": dict(hidden_size=4096, num_hidden_layers=64, num_heads=128, head_dim=64, n_groups=8, state_size=128,
                vocab_size=32768),
 }
-DECODE = dict(prompt=512, new=256, batches=[1, 64, 256])
+DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
 PREFILL = dict(prompt=4096, new=1, batch=16)
 
 
-SMOKE_DECODE = dict(prompt=32, new=8, batches=[1, 4])
+SMOKE_DECODE = dict(prompt=32, new=8, mid=4, batches=[1, 4])
 SMOKE_PREFILL = dict(prompt=128, new=1, batch=2)
 
 
@@ -131,11 +135,11 @@ def worker(args) -> None:
     for batch in DECODE["batches"]:
         run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
-        el_pref, _, _ = run(batch, DECODE["prompt"], 1)
+        el_mid, _, _ = run(batch, DECODE["prompt"], DECODE["mid"])
         print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
-                                          new=DECODE["new"], seconds=el_full, prefill_seconds=el_pref,
+                                          new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
-                                          decode_step_s=(el_full - el_pref) / (DECODE["new"] - 1))), flush=True)
+                                          decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]))), flush=True)
     run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
     el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
     print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],

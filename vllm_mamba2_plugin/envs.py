@@ -7,7 +7,8 @@ VLLM_MAMBA2_PLUGIN_OVERRIDE   "1" (default): the plugin serves the stock HF arch
 VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               "0" (default): piecewise CUDA graphs only (the mixer op runs eagerly between
                               captured pieces). "1": decode-only steps also replay FULL CUDA graphs
-                              (experimental until proven on a GPU; see backend.py).
+                              (see backend.py; opt-in until its token-exact GPU test has passed: it has
+                              served benchmarks on an H200, its GPU test has not completed yet).
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
                               reference elsewhere. "reference": the reference everywhere (debugging, oracles).
 """

@@ -418,7 +418,7 @@ def ssm_state_update(
     # The kernel reads the state in its dtype, computes in float32 and stores back in the pool dtype; y comes
     # from the float32 state (as the reference). dt_softplus uses threshold 20 (selective_state_update.py:102),
     # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
-    cfg = launch if launch is not None else ssu_launch_config(Bsz, H, N, ssm_states.dtype)
+    cfg = launch if launch is not None else ssu_launch_config(Bsz, H, P, N, ssm_states.dtype)
     if cfg is None:
         return k.selective_state_update(
             ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P),
@@ -427,20 +427,24 @@ def ssm_state_update(
     return _launch_ssu(k, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
 
 
-# (BLOCK_SIZE_M, num_warps) of mamba-ssm's ``_selective_scan_update_kernel``, by d_state and by
-# batch * heads (the kernel's grid is (head_dim / BLOCK_SIZE_M, batch, heads)). mamba-ssm's wrapper always
-# launches (4, 4) for d_state 128 (selective_state_update.py:193-197). Empty: the upstream launch is used
-# (see benchmarks/ssu_launch.py, which measures the candidates on the GPU, and RESULTS.md).
-SSU_LAUNCH_TABLE: dict = {}  # {d_state: [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending}
+# (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``. Its wrapper always launches
+# (4, 4) for d_state 128 (selective_state_update.py:193-197): head_dim/4 x batch x heads programs of one 4 x 128
+# tile each, which reaches ~1.7 TB/s of state traffic on an H200. Measured there (benchmarks/ssu_launch.py,
+# RESULTS.md, 2026-12-02): (16, 2) runs 2.1-3.0x faster from batch*heads >= 1536 (3.6-3.9 TB/s) and 1.3-1.5x at
+# batch 1 with 80-128 heads; at batch*heads = 24 the two are within noise, so small launches keep upstream's.
+# Keyed by (head_dim, d_state, state bytes); shapes not measured keep the upstream launch.
+SSU_LAUNCH_TABLE: dict = {
+    (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
+}
 
 
-def ssu_launch_config(batch: int, nheads: int, dstate: int, state_dtype: torch.dtype) -> Optional[Tuple[int, int]]:
-    rows = SSU_LAUNCH_TABLE.get(dstate)
-    if not rows:
-        return None
-    eff, cfg = batch * nheads, None
-    for lo, c in rows:
-        if eff >= lo:
+def ssu_launch_config(batch: int, nheads: int, head_dim: int, dstate: int,
+                      state_dtype: torch.dtype) -> Optional[Tuple[int, int]]:
+    """The launch to use, or None for mamba-ssm's own (its wrapper)."""
+    rows = SSU_LAUNCH_TABLE.get((head_dim, dstate, state_dtype.itemsize))
+    cfg = None
+    for lo, c in rows or ():
+        if batch * nheads >= lo:
             cfg = c
     return cfg
 
