@@ -56,6 +56,13 @@ def test_build_mixed_batch():
     assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
     assert meta.state_indices_d_i32.dtype == torch.int32 and meta.state_indices_d_i32.tolist() == [7, 2]
     assert meta.prefill_plan is None  # the reference kernels take no plan
+    assert meta.any_initial_state_p  # a resumed chunk and a decode-like row among the prefills
+
+
+def test_all_fresh_prefills_say_so_on_the_host():
+    meta = _builder().build(0, _cam([1, 5, 3], [4, 0, 0], [7, 2, 5]))
+    assert (meta.num_decodes, meta.num_prefills) == (1, 2)
+    assert meta.has_initial_state_p.tolist() == [False, False] and meta.any_initial_state_p is False
 
 
 def test_cuda_kernels_get_a_plan_from_the_host_bounds():

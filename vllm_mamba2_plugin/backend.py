@@ -75,6 +75,7 @@ class Mamba2PluginMetadata:
     query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
     has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
     prefill_plan: object = None  # kernels.plan_prefill of the prefill block (CUDA kernels; None otherwise)
+    any_initial_state_p: bool = True  # host copy of has_initial_state_p.any(): False lets layers skip state reads
 
     @property
     def num_actual_tokens(self) -> int:
@@ -151,7 +152,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
         slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
-        plan = None
+        plan, any_init = None, False
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
         else:
@@ -163,8 +164,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             has_init_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
             # The CUDA kernels' index plan for this step, from the host copies (one pinned upload, shared by
             # every layer): the prefill path then needs no host sync.
+            has_init_cpu = context_lens[num_decodes:] > 0
+            any_init = bool(has_init_cpu.any())
             plan = self.kernels.plan_prefill(
-                qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0, num_prefill_tokens,
+                qsl_cpu[num_decodes:] - num_decode_tokens, has_init_cpu, num_prefill_tokens,
                 self.chunk_size, self.conv_width, self.device,
             )
         slots_d = slots[:num_decodes]
@@ -180,6 +183,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             query_start_loc_p=qsl_p,
             has_initial_state_p=has_init_p,
             prefill_plan=plan,
+            any_initial_state_p=any_init,
         )
 
     def _build_graph_decode(self, cam, query_lens, context_lens, force: bool):

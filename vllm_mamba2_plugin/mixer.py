@@ -130,9 +130,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                 y[:nd] = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
                                            meta.state_indices_d_i32)
             slots = meta.state_indices_p
+            # All-fresh prompts (the scheduler's host flags say no row resumes a state): skip reading the slots.
+            resume = meta.any_initial_state_p
             xBC_p, conv_final = k.causal_conv1d(
                 xBC[nd:n_tok], self._conv_weight(), self.conv1d.bias, meta.query_start_loc_p,
-                initial_states=conv_state[slots], has_initial_state=meta.has_initial_state_p,
+                initial_states=conv_state[slots] if resume else None,
+                has_initial_state=meta.has_initial_state_p if resume else None,
                 activation="silu", plan=meta.prefill_plan,
             )
             conv_state[slots] = conv_final.to(conv_state.dtype)
@@ -140,7 +143,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             dt_p = k.process_dt(dt[nd:n_tok], self.dt_bias, self.dt_limit)
             y_p, ssm_final = k.ssd_chunk_scan(
                 x_p, dt_p, self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
-                initial_states=ssm_state[slots], has_initial_state=meta.has_initial_state_p, D=self.D,
+                initial_states=ssm_state[slots] if resume else None,
+                has_initial_state=meta.has_initial_state_p if resume else None, D=self.D,
                 plan=meta.prefill_plan,
             )
             ssm_state[slots] = ssm_final.to(ssm_state.dtype)
