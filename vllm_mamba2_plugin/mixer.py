@@ -187,13 +187,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
         must not happen inside a capture). Runs once per process, in the profile run, on scratch state laid
-        out like the real inputs (slices of a projection). Batch sizes 1, 2 and 16 cover Triton's integer
-        specialisations (== 1, other, multiple of 16)."""
+        out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover Triton's integer
+        specialisations (== 1, other, multiple of 16) under both state-update launches that
+        ``cuda.ssu_launch_config`` can pick for this layer (it switches at batch * heads >= 64)."""
         k = get_kernels(projected.device)
         dev, conv_dtype, ssm_dtype = projected.device, *self.get_state_dtype()
         conv_pool = torch.zeros((17, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
         ssm_pool = torch.zeros((17, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype, device=dev)
-        for bs in (1, 2, 16):
+        for bs in (1, 2, 3, 16):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
             slots = torch.arange(1, bs + 1, device=dev)
             y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
