@@ -117,29 +117,30 @@ def build_plan(
     ne = [s for s in range(S) if cu[s + 1] > cu[s]]
     cu_k = [0] + [cu[s + 1] - lo for s in ne]
     Tu = cu_k[-1]
+    cu_k_t = torch.tensor(cu_k)
     host = {
-        "cu_k": torch.tensor(cu_k),
-        "seq_idx": torch.repeat_interleave(torch.arange(len(ne)), torch.tensor(cu_k).diff(), output_size=Tu),
+        "cu_k": cu_k_t,
+        "seq_idx": torch.repeat_interleave(torch.arange(len(ne)), cu_k_t.diff(), output_size=Tu),
         "nonempty": torch.tensor(ne, dtype=torch.long),
     }
 
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
     if init_pos:
-        starts = [cu_k[i] for i in init_pos]
-        ends = [cu_k[i + 1] for i in init_pos]
-        lens = [e - s for s, e in zip(starts, ends)]
+        pos_t = torch.tensor(init_pos)
+        starts, ends = cu_k_t[pos_t], cu_k_t[pos_t + 1]
+        lens = (ends - starts).tolist()
         # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
         blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
         nblk = [(n + blk - 1) // blk for n in lens]
         b_seq = torch.repeat_interleave(torch.arange(len(init_pos)), torch.tensor(nblk))
         first = torch.tensor([0] + nblk[:-1]).cumsum(0)
         b_k = torch.arange(len(b_seq)) - first[b_seq]
-        tok = torch.tensor(starts)[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
-        tok = torch.where(tok < torch.tensor(ends)[b_seq, None], tok, torch.full_like(tok, Tu))
+        tok = starts[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
+        tok = torch.where(tok < ends[b_seq, None], tok, torch.full_like(tok, Tu))
         host.update({
-            "i_tok_start": torch.tensor(cu_k)[host["seq_idx"]],
-            "i_start": torch.tensor(starts), "i_end": torch.tensor(ends),
-            "i_pos": torch.tensor(init_pos), "i_rows": torch.tensor([ne[i] for i in init_pos]),
+            "i_tok_start": cu_k_t[host["seq_idx"]],
+            "i_start": starts, "i_end": ends,
+            "i_pos": pos_t, "i_rows": host["nonempty"][pos_t],
             "i_tok": tok, "i_b_seq": b_seq,
         })
 
