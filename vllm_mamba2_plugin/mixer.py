@@ -49,6 +49,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.norm_group_size = self.d_inner // self.n_groups
         limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
         self.dt_limit = (float(limit[0]), float(limit[1]))
+        # softplus(dt) > 0, so a limit of (<= 0, inf) clamps nothing: the decode step then lets the state-update
+        # kernel apply softplus(dt + dt_bias) itself.
+        self.dt_limit_is_noop = self.dt_limit[0] <= 0.0 and self.dt_limit[1] == float("inf")
         self.model_config = model_config
         self.cache_config = cache_config
 
@@ -173,8 +176,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         kernel's type), both made once per step by the builder rather than cast here in every layer."""
         xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
         x, B, C = self._split_xbc(xBC)
-        if self.dt_limit[0] <= 0.0 and self.dt_limit[1] == float("inf"):
-            # softplus(dt + dt_bias) inside the state-update kernel: the default limit clamps nothing.
+        if self.dt_limit_is_noop:
             return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
                                       dt_softplus=True)
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
