@@ -37,10 +37,15 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """On the GPU machine a step can hit its time limit before pytest's summary prints the tracebacks: with
-    MAMBA2_TESTS_INSTAFAIL=1 each failure is printed (to stderr, uncaptured) the moment it happens."""
-    if report.failed and os.environ.get("MAMBA2_TESTS_INSTAFAIL") == "1":
+    MAMBA2_TESTS_INSTAFAIL=1 each failure is printed (to stderr, uncaptured) the moment it happens, and so is
+    the duration of every setup / call phase over a second."""
+    if os.environ.get("MAMBA2_TESTS_INSTAFAIL") != "1":
+        return
+    if report.failed:
         sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
-        sys.stderr.flush()
+    if report.when != "teardown" and report.duration > 1.0:  # where a time-limited step's minutes went
+        sys.stderr.write(f"\n--- {report.nodeid} {report.when}: {report.duration:.1f}s\n")
+    sys.stderr.flush()
 
 
 # Tiny model variants: vary n_groups, chunk_size, head_dim, conv width/bias, biases, tied embeddings.
