@@ -6,8 +6,10 @@
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
 that one engine. Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
-Implementations: ``plugin`` (defaults), ``plugin-full`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1: FULL CUDA
-graphs for decode-only steps; graph mode only), ``intree`` (vLLM's own Mamba2ForCausalLM).
+Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
+``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
+``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is the old name of the default (results before
+2026-12-02's third session, when FULL decode graphs were opt-in).
 
 Every cell first runs its exact workload once, untimed (prompt + a few new tokens, or the whole prefill cell):
 Triton compiles a kernel per new integer specialisation (batch sizes, token counts), and a compile inside the
@@ -187,7 +189,7 @@ def markdown(rows, bw, cmd) -> str:
 
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
         t = by.get(key + ("intree",))
-        variants = [v for v in ("plugin", "plugin-full") if key + (v,) in by] or [None]
+        variants = [v for v in ("plugin", "plugin-full", "plugin-piecewise") if key + (v,) in by] or [None]
         for v in variants:
             p = by.get(key + (v,)) if v else None
             ratio = f"{p['out_tok_s'] / t['out_tok_s']:.2f}" if p and t else "—"
@@ -204,7 +206,7 @@ def markdown(rows, bw, cmd) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="130m")
-    ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-full, intree")
+    ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-piecewise, intree")
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -225,13 +227,17 @@ def main() -> None:
         model_dir = write_config(model, args.out)
         for mode in args.modes.split(","):
             for impl in args.impls.split(","):
-                if impl == "plugin-full" and mode != "graph":
-                    continue  # FULL graphs need graph mode
+                if impl not in ("plugin", "plugin-full", "plugin-piecewise", "intree"):
+                    raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
+                if impl in ("plugin-full", "plugin-piecewise") and mode != "graph":
+                    continue  # graph-mode variants of the plugin
                 env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
                 if impl == "intree":
                     env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
                 elif impl == "plugin-full":
                     env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "1"
+                elif impl == "plugin-piecewise":
+                    env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "0"
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")

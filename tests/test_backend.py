@@ -87,7 +87,9 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
     assert sorted(plan.conv) == [3]  # conv width 4
 
 
-def test_build_decode_only_batch_has_empty_prefill_fields():
+@pytest.mark.parametrize("switch", ["1", "0"])  # FULL decode graphs on (default: graph path) or off
+def test_build_decode_only_batch_has_empty_prefill_fields(switch, monkeypatch):
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", switch)
     meta = _builder().build(0, _cam([1, 1, 1], [3, 8, 5], [4, 6, 2]))
     assert (meta.num_decodes, meta.num_prefills, meta.num_prefill_tokens) == (3, 0, 0)
     assert meta.state_indices_d.tolist() == [4, 6, 2] and meta.state_indices_p.numel() == 0
@@ -102,10 +104,11 @@ def full_graphs(monkeypatch):
 def test_cudagraph_support_follows_the_switch(monkeypatch):
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
-    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", raising=False)  # the default: FULL decode graphs
     assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None)
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "0")
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
 
 
 def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):

@@ -178,17 +178,19 @@ def test_greedy_matches_hf_transformers_for_one_group(model_dirs, oracles):
         assert tokens == ref[0, len(prompt):].tolist(), f"prompt len {len(prompt)}"
 
 
-def test_full_decode_graph_metadata_path_matches_recurrence(model_dirs, oracles, monkeypatch):
-    """VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1: decode-only steps take the builder's graph path (persistent
-    slot buffer). The CPU has no CUDA graphs, but the metadata and the mixer's decode path are the same."""
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_decode_metadata_paths_match_recurrence(switch, model_dirs, oracles, monkeypatch):
+    """VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1 (the default): decode-only steps take the builder's graph path
+    (persistent slot buffer); "0": the general path. The CPU has no CUDA graphs, but the metadata and the
+    mixer's decode path are the ones the GPU replays."""
     from conftest import make_llm
 
-    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", switch)
     variant = "g2_tied"
     llm = make_llm(model_dirs[variant], max_num_seqs=4)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     builder = runner.attn_groups[0][0].metadata_builders[0]
-    assert builder.full_decode_graphs
+    assert builder.full_decode_graphs == (switch == "1")
     graph_steps = []
     original = builder._build_graph_decode
 
@@ -201,4 +203,7 @@ def test_full_decode_graph_metadata_path_matches_recurrence(model_dirs, oracles,
     prompts = _variant_prompts(variant, seed=9)
     got, _ = _generate(llm, prompts)
     assert got == [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
-    assert sum(graph_steps) >= MAX_TOKENS - 1, graph_steps  # decode-only steps took the graph path
+    if switch == "1":
+        assert sum(graph_steps) >= MAX_TOKENS - 1, graph_steps  # decode-only steps took the graph path
+    else:
+        assert not graph_steps  # the switch is off: the graph path is never tried

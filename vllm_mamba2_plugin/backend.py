@@ -18,9 +18,9 @@ row (it honours has-initial-state), only less specialised.
 Slots: with mamba_cache_mode "none" each request owns one block, ``block_table_tensor[:, 0]``. Mamba state
 is never zeroed on allocation, so has-initial-state is what keeps a new request from seeing an old one's state.
 
-CUDA graphs: piecewise by default (the mixer op is a split point and runs eagerly). With
-VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1 the builder also supports FULL graphs of decode-only steps
-(UNIFORM_SINGLE_TOKEN_DECODE): the runner pads such a batch to a captured size with rows of zero tokens whose
+CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point and runs eagerly). By default
+(VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1) the builder also supports FULL graphs of decode-only steps
+(UNIFORM_SINGLE_TOKEN_DECODE, as vLLM's in-tree Mamba2): the runner pads such a batch to a captured size with rows of zero tokens whose
 block-table entry is the null block; the builder then counts every row as a decode and hands the mixer a
 persistent slot buffer (same address at capture and replay) whose padded tail points at the null block 0, so
 the padded rows update a state nobody reads.
@@ -91,7 +91,7 @@ def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor) ->
 
 
 class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
-    # Piecewise CUDA graphs only: the mixer op runs eagerly between the captured pieces.
+    # With FULL decode graphs switched off: piecewise only, the mixer op runs eagerly between captured pieces.
     _cudagraph_support = compat.AttentionCGSupport.NEVER
     # Ask the runner to move one-token rows to the front of the batch.
     reorder_batch_threshold: int = 1

@@ -5,10 +5,10 @@ VLLM_MAMBA2_PLUGIN_OVERRIDE   "1" (default): the plugin serves the stock HF arch
                               answers only to its own name (``Mamba2PluginForCausalLM``), so both can be compared
                               in one environment (``hf_overrides={"architectures": ["Mamba2PluginForCausalLM"]}``).
 VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
-                              "0" (default): piecewise CUDA graphs only (the mixer op runs eagerly between
-                              captured pieces). "1": decode-only steps also replay FULL CUDA graphs
-                              (see backend.py; opt-in until its token-exact GPU test has passed: it has
-                              served benchmarks on an H200, its GPU test has not completed yet).
+                              "1" (default): with CUDA graphs on, decode-only steps replay FULL CUDA graphs
+                              (as vLLM's in-tree Mamba2 does; see backend.py) and mixed steps piecewise ones.
+                              "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
+                              pieces). Both are token-exact against the recurrence on an H200 (tests/gpu).
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
                               reference elsewhere. "reference": the reference everywhere (debugging, oracles).
 """
@@ -36,7 +36,7 @@ def override_in_tree() -> bool:
 
 
 def full_decode_graphs() -> bool:
-    return _flag("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", False)
+    return _flag("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", True)
 
 
 def kernel_choice() -> str:

@@ -32,7 +32,10 @@ def state_shapes(conv_kernel, conv_dim, num_heads, head_dim, state_size):
 
 
 class Mamba2Mixer(compat.MambaBase, nn.Module):
-    _decode_kernels_warm = False  # per process: Triton kernels compiled before any CUDA graph capture
+    # Decode-kernel signatures already compiled in this process (see _warm_decode_kernels). Keyed by what the
+    # Triton kernels specialise on, not one flag per process: two engines of different shapes or state dtypes
+    # in one process (tests, notebooks) each need their own compile before their captures.
+    _warm_decode_signatures: set = set()
 
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
@@ -113,8 +116,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         meta = compat.layer_metadata(self.prefix)
         if meta is None:
             # Profile / dummy run: no requests, no state. Only the output shape matters.
-            if projected.is_cuda and envs.full_decode_graphs() and not Mamba2Mixer._decode_kernels_warm:
-                self._warm_decode_kernels(projected)
+            if projected.is_cuda and envs.full_decode_graphs():
+                sig = self._decode_signature(projected)
+                if sig not in Mamba2Mixer._warm_decode_signatures:
+                    self._warm_decode_kernels(projected)
+                    Mamba2Mixer._warm_decode_signatures.add(sig)
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
@@ -188,8 +194,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
-        must not happen inside a capture). Runs once per process, in the profile run, on scratch state laid
-        out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover Triton's integer
+        must not happen inside a capture). Runs once per process and layer signature, in the profile run, on
+        scratch state laid out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover Triton's integer
         specialisations (== 1, other, multiple of 16) under both state-update launches that
         ``cuda.ssu_launch_config`` can pick for this layer (it switches at batch * heads >= 64)."""
         k = get_kernels(projected.device)
@@ -202,7 +208,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
             self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
         torch.cuda.synchronize(dev)
-        Mamba2Mixer._decode_kernels_warm = True
+
+    def _decode_signature(self, projected: torch.Tensor) -> tuple:
+        return (str(projected.device), projected.dtype, projected.shape[-1], *self.get_state_dtype(),
+                self.num_heads, self.head_dim, self.n_groups, self.state_size, self.conv_kernel,
+                self.conv1d.bias is not None, self.dt_limit_is_noop)
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
