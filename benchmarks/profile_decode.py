@@ -3,6 +3,11 @@ where time goes.
 
     python benchmarks/profile_decode.py --model 130m --batch 1 --mode graph [--impl intree]
     python benchmarks/profile_decode.py --model 130m --workload prefill [--impl intree]   # 16 x 4096, 1 new
+    python benchmarks/profile_decode.py --model 130m --workload mixed [--impl intree]     # 256 x 512, 8 new
+
+"mixed" profiles the start of the harness's batch-256 decode cell: 256 prompts of 512 tokens through an 8192-
+token budget, so most steps carry prefill chunks (some resumed across steps) next to the first decodes.
+Engine options follow the throughput harness (max_num_batched_tokens 8192).
 
 Prints the top ops by self CPU time and by device time, and the measured step (or prefill) time.
 """
@@ -27,7 +32,7 @@ def main() -> None:
     ap.add_argument("--impl", default="plugin", choices=["plugin", "intree"])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--workload", default="decode", choices=["decode", "prefill"])
+    ap.add_argument("--workload", default="decode", choices=["decode", "prefill", "mixed"])
     args = ap.parse_args()
     if args.impl == "intree":
         os.environ["VLLM_PLUGINS"] = ""
@@ -39,15 +44,18 @@ def main() -> None:
 
     model_dir = throughput.write_config(args.model, tempfile.mkdtemp())
     prefill = args.workload == "prefill"
+    mixed = args.workload == "mixed"
     if prefill:
         args.batch = throughput.PREFILL["batch"]
+    if mixed:
+        args.batch = max(throughput.DECODE["batches"])
     kw = dict(model=model_dir, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-              max_model_len=throughput.PREFILL["prompt"] + 16 if prefill else 1024,
-              max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.3, enforce_eager=args.mode == "eager")
+              max_model_len=throughput.PREFILL["prompt"] + 16 if prefill else 1024, max_num_batched_tokens=8192,
+              max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.85, enforce_eager=args.mode == "eager")
     if args.mode == "graph":
         kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, args.batch})}
     llm = LLM(**kw)
-    plen = throughput.PREFILL["prompt"] if prefill else 64
+    plen = throughput.PREFILL["prompt"] if prefill else throughput.DECODE["prompt"] if mixed else 64
     prompts = [TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(plen)]) for i in range(args.batch)]
 
     def gen(n):
@@ -58,14 +66,17 @@ def main() -> None:
         return time.perf_counter() - t
 
     gen(4)
-    if prefill:
+    if mixed:
+        gen(8)
+        print(f"{args.impl}/{args.mode} mixed {args.batch} x {plen}, 8 new: {gen(8) * 1e3:.1f} ms")
+    elif prefill:
         gen(1)
         print(f"{args.impl}/{args.mode} prefill {args.batch} x {plen}: {gen(1) * 1e3:.1f} ms")
     else:
         t1, tn = gen(1), gen(1 + args.steps)
         print(f"{args.impl}/{args.mode} batch {args.batch}: decode step {(tn - t1) / args.steps * 1e3:.2f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        gen(1 if prefill else 1 + args.steps)
+        gen(8 if mixed else 1 if prefill else 1 + args.steps)
     ka = prof.key_averages()
     print(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(ka.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))

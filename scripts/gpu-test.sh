@@ -12,8 +12,14 @@
 # A failing step does not stop the next one; the script exits non-zero if any step failed.
 # Setup uses the project's copy scripts/gpu/device-setup.sh: the first call of a session also returns
 # causal_conv1d-sm90.tar.gz under $OUT; copy it into .gpu/ and later calls skip the ~50 s kernel build.
-# Triton autotuning of the SSD kernels costs ~10 s per new (shape, dtype) on a cold cache; if a run is short
-# on time, MAMBA_DETERMINISTIC=1 makes mamba-ssm use one fixed config per kernel (no autotuning).
+# Triton autotuning of the SSD kernels costs ~10 s per new (shape, dtype) on a cold cache (vLLM's in-tree
+# Mamba2 spends ~87 s autotuning at start-up for the 130m shape, the plugin ~50 s); if a run is short on time,
+# MAMBA_DETERMINISTIC=1 makes mamba-ssm use one fixed config per kernel (no autotuning).
+# Autotuning results persist: TRITON_CACHE_AUTOTUNING=1 stores each kernel's timings in Triton's cache, and after
+# every step the script packs them into $OUT/triton-autotune.tgz (kilobytes). Copy that file into .gpu/ and the
+# next call starts with them: later processes of the same call, and later calls, compile only the chosen
+# configs instead of benchmarking all of them. (Same configs as a fresh autotune would choose; start-up times
+# of runs that used a carried file are not comparable with cold ones.)
 set -euo pipefail
 LOG=${OUT:-/tmp/gpu-out}
 mkdir -p "$LOG"
@@ -21,6 +27,16 @@ T0=$(date +%s)
 
 PAYLOAD=.gpu bash scripts/gpu/device-setup.sh 2>&1 | tee "$LOG/setup.log"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 MAMBA2_TESTS_INSTAFAIL=1
+export TRITON_CACHE_AUTOTUNING=1
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE"
+if [ -f .gpu/triton-autotune.tgz ]; then
+  tar xzf .gpu/triton-autotune.tgz -C "$TRITON_CACHE"
+  echo "autotuning results restored: $(tar tzf .gpu/triton-autotune.tgz | grep -c autotune.json) kernels" | tee -a "$LOG/setup.log"
+fi
+save_autotune() {  # the autotuning timings only (the compiled kernels are large and quick to rebuild)
+  (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar czf "$LOG/triton-autotune.tgz" -T -) || true
+}
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tee -a "$LOG/setup.log"
 
 {
@@ -60,6 +76,7 @@ run_step() {  # run_step <log file> <command>
   rc=${PIPESTATUS[0]}
   set -e
   echo "    rc=$rc in $(( $(date +%s) - t ))s -> $log" | tee -a "$LOG/summary.txt"
+  save_autotune
   if [ "$rc" -ne 0 ]; then FAILED=$((FAILED + 1)); fi
 }
 
