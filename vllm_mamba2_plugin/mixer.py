@@ -133,11 +133,10 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                   meta.state_indices_d_i32)
         else:
-            y = torch.empty((n_tok, self.num_heads, self.head_dim), dtype=projected.dtype,
-                            device=projected.device)
+            y_d = None
             if nd > 0:
-                y[:nd] = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
-                                           meta.state_indices_d_i32)
+                y_d = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
+                                        meta.state_indices_d_i32)
             slots = meta.state_indices_p
             # All-fresh prompts (the scheduler's host flags say no row resumes a state): skip reading the slots.
             resume = meta.any_initial_state_p
@@ -157,7 +156,10 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                 plan=meta.prefill_plan,
             )
             ssm_state[slots] = ssm_final.to(ssm_state.dtype)
-            y[nd:n_tok] = y_p
+            if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
+                y = y_p
+            else:
+                y = torch.cat([y_d, y_p])
 
         self._gated_norm(k, y, z, out=out[:n_tok])
         if out.shape[0] > n_tok:
