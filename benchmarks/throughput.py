@@ -98,6 +98,9 @@ def worker(args) -> None:
     global DECODE, PREFILL
     if job.get("smoke"):
         DECODE, PREFILL = SMOKE_DECODE, SMOKE_PREFILL
+    if job.get("batches"):
+        DECODE = dict(DECODE, batches=job["batches"])
+    workloads = job.get("workloads") or ["decode", "prefill"]
     kwargs = dict(model=job["model_dir"], dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                   max_model_len=PREFILL["prompt"] + 16, max_num_seqs=max(DECODE["batches"]),
                   max_num_batched_tokens=job["max_num_batched_tokens"],
@@ -134,7 +137,7 @@ def worker(args) -> None:
     run(4, 64, 8)  # warm-up
     emit = dict(model=job["model"], impl=job["impl"], mode=job["mode"], model_class=cls, startup_s=startup,
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
-    for batch in DECODE["batches"]:
+    for batch in DECODE["batches"] if "decode" in workloads else []:
         run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
         el_mid, _, _ = run(batch, DECODE["prompt"], DECODE["mid"])
@@ -142,6 +145,8 @@ def worker(args) -> None:
                                           new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]))), flush=True)
+    if "prefill" not in workloads:
+        return
     run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
     el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
     print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
@@ -212,12 +217,17 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="mamba2-bench-"))
     ap.add_argument("--md", default=None, help="append the markdown table here")
+    ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,64,256; also the capture sizes)")
+    ap.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
 
+    unknown = set(args.workloads.split(",")) - {"decode", "prefill"}
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {sorted(unknown)}: use decode, prefill or both")
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     jsonl = os.path.join(args.out, "bench.jsonl")
@@ -239,7 +249,9 @@ def main() -> None:
                 elif impl == "plugin-piecewise":
                     env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "0"
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
-                           max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke)
+                           max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
+                           batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
+                           workloads=args.workloads.split(","))
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
                 proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
