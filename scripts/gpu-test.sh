@@ -6,6 +6,12 @@
 #   bash scripts/gpu-test.sh "python3 -m pytest -m gpu tests/kernels -q -rs" "python3 examples/x.py"
 #   GPU_BENCH=1 GPU_BENCH_ARGS="..." bash scripts/gpu-test.sh   # + benchmarks/throughput.py, if present
 #
+# Measured durations on the H200 (2026-12-02, MAMBA_DETERMINISTIC=1, cold caches): setup 56-65 s; tests/kernels
+# 51 s; tests/gpu: first eager engine 71 s, each further eager engine 14-54 s, FULL-graph test 121 s,
+# piecewise-graph test 138 s, in-tree test > 130 s (vLLM's in-tree kernels autotune ~90 s at start-up).
+# All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
+# (2) -k in_tree + a benchmark.
+#
 # Logs go to $OUT (what the device tool brings back; at most 8 files come back) or /tmp/gpu-out:
 #   setup.log (device setup + project install), env.log (nvidia-smi, versions), one log per step
 #   (gpu-tests.log for the default, else step<N>.log), bench.log, summary.txt.
