@@ -104,6 +104,25 @@ def prompt_lengths(chunk: int) -> list[int]:
     return sorted({1, max(1, chunk - 1), chunk, chunk + 1, 3 * chunk + 2})
 
 
+def top5_containment(oracle, prompts, outs, n_tokens: int) -> int:
+    """check_logprobs_close-style comparison of sampled outputs (requested with logprobs=5) with the oracle: where
+    the greedy tokens first differ, each side's token must be in the other's top-5; the sequences are not
+    compared after that. Returns how many leading tokens matched, over all prompts."""
+    from oracle import oracle_generate
+
+    matched = 0
+    for prompt, out in zip(prompts, outs):
+        want, _, step_lps = oracle_generate(oracle, prompt, n_tokens)
+        got = list(out.outputs[0].token_ids)
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                assert g in step_lps[i].topk(5).indices.tolist(), (len(prompt), i)
+                assert w in out.outputs[0].logprobs[i], (len(prompt), i)
+                break
+            matched += 1
+    return matched
+
+
 def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

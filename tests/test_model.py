@@ -7,7 +7,7 @@ only; batch/chunking invariance tests additionally check the oracle.
 import pytest
 import torch
 
-from conftest import MODEL_VARIANTS, engine, prompt_lengths, random_prompts
+from conftest import MODEL_VARIANTS, engine, prompt_lengths, random_prompts, top5_containment
 from oracle import oracle_generate
 
 MAX_TOKENS = 24
@@ -223,14 +223,5 @@ def test_bf16_weights_with_fp32_ssm_state(model_dirs, oracles):
     assert pools == [{(torch.bfloat16, torch.float32)}], pools
     prompts = _variant_prompts(variant, seed=5)
     _, outs = _generate(llm, prompts, logprobs=5)
-    matched = 0
-    for prompt, out in zip(prompts, outs):
-        want, _, step_lps = oracle_generate(oracles[variant], prompt, MAX_TOKENS)
-        got = list(out.outputs[0].token_ids)
-        for i, (g, w) in enumerate(zip(got, want)):
-            if g != w:
-                assert g in step_lps[i].topk(5).indices.tolist(), (len(prompt), i)
-                assert w in out.outputs[0].logprobs[i], (len(prompt), i)
-                break
-            matched += 1
+    matched = top5_containment(oracles[variant], prompts, outs, MAX_TOKENS)
     assert matched >= 0.5 * MAX_TOKENS * len(prompts), matched

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts
+from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts, top5_containment
 from oracle import oracle_generate
 
 pytestmark = pytest.mark.gpu
@@ -108,16 +108,7 @@ def test_bf16_top5_logprobs_contain_each_other(model_dirs, oracles):
     variant = "g1"
     prompts = _prompts(variant, seed=3)
     _, outs = _gen(_llm(model_dirs[variant], dtype="bfloat16"), prompts, max_tokens=64, logprobs=5)
-    matched = 0
-    for prompt, out in zip(prompts, outs):
-        want, _, step_lps = oracle_generate(oracles[variant], prompt, 64)
-        got = list(out.outputs[0].token_ids)
-        for i, (g, w) in enumerate(zip(got, want)):
-            if g != w:
-                assert g in step_lps[i].topk(5).indices.tolist(), (len(prompt), i)
-                assert w in out.outputs[0].logprobs[i], (len(prompt), i)
-                break
-            matched += 1
+    matched = top5_containment(oracles[variant], prompts, outs, 64)
     assert matched >= 0.5 * 64 * len(prompts), matched
 
 
