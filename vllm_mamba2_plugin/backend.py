@@ -20,10 +20,10 @@ is never zeroed on allocation, so has-initial-state is what keeps a new request 
 
 CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point and runs eagerly). By default
 (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1) the builder also supports FULL graphs of decode-only steps
-(UNIFORM_SINGLE_TOKEN_DECODE, as vLLM's in-tree Mamba2): the runner pads such a batch to a captured size with rows of zero tokens whose
-block-table entry is the null block; the builder then counts every row as a decode and hands the mixer a
-persistent slot buffer (same address at capture and replay) whose padded tail points at the null block 0, so
-the padded rows update a state nobody reads.
+(UNIFORM_SINGLE_TOKEN_DECODE, as vLLM's in-tree Mamba2): the runner pads such a batch to a captured size with
+rows of zero tokens whose block-table entry is the null block; the builder then counts every row as a decode
+and hands the mixer a persistent slot buffer (same address at capture and replay) whose padded tail points at
+the null block 0, so the padded rows update a state nobody reads.
 """
 
 from dataclasses import dataclass

@@ -117,10 +117,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         if meta is None:
             # Profile / dummy run: no requests, no state. Only the output shape matters.
             if projected.is_cuda and envs.full_decode_graphs():
-                sig = self._decode_signature(projected)
-                if sig not in Mamba2Mixer._warm_decode_signatures:
-                    self._warm_decode_kernels(projected)
-                    Mamba2Mixer._warm_decode_signatures.add(sig)
+                self._warm_decode_kernels(projected)
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
@@ -197,9 +194,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
         must not happen inside a capture). Runs once per process and layer signature, in the profile run, on
-        scratch state laid out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover Triton's integer
-        specialisations (== 1, other, multiple of 16) under both state-update launches that
+        scratch state laid out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover
+        Triton's integer specialisations (== 1, other, multiple of 16) under both state-update launches that
         ``cuda.ssu_launch_config`` can pick for this layer (it switches at batch * heads >= 64)."""
+        sig = (str(projected.device), projected.dtype, projected.shape[-1], *self.get_state_dtype(),
+               self.num_heads, self.head_dim, self.n_groups, self.state_size, self.conv_kernel,
+               self.conv1d.bias is not None, self.dt_limit_is_noop)
+        if sig in Mamba2Mixer._warm_decode_signatures:
+            return
         k = get_kernels(projected.device)
         dev, conv_dtype, ssm_dtype = projected.device, *self.get_state_dtype()
         conv_pool = torch.zeros((17, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
@@ -210,11 +212,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
             self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
         torch.cuda.synchronize(dev)
-
-    def _decode_signature(self, projected: torch.Tensor) -> tuple:
-        return (str(projected.device), projected.dtype, projected.shape[-1], *self.get_state_dtype(),
-                self.num_heads, self.head_dim, self.n_groups, self.state_size, self.conv_kernel,
-                self.conv1d.bias is not None, self.dt_limit_is_noop)
+        Mamba2Mixer._warm_decode_signatures.add(sig)
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
