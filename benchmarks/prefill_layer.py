@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_layer.py --model 130m --layouts 16x512,2x4096,16x512r --out $OUT/prefill_layer.jsonl
     python benchmarks/prefill_layer.py --model tiny --layouts 4x32,4x32r --device cpu     # smoke (reference kernels)
+    python benchmarks/prefill_layer.py --model 130m --impls plugin,intree                 # + vLLM's own kernels (CUDA)
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -19,6 +20,14 @@ Reported per layout: host_us = CPU time to enqueue one layer (measured over ``--
 between), wall_us = wall time per layer with the GPU kept busy (sync after the loop), device breakdown per
 kernel from torch.profiler, and the per-step estimate num_layers * wall_us. host_us close to wall_us means the
 path is host-bound: the GPU waits for Python.
+
+``--impls intree`` runs, on the same inputs and state pools, the kernel sequence vLLM's in-tree ``MambaMixer2``
+runs for a prefill-only step (vllm/model_executor/layers/mamba/mamba_mixer2.py, conv_ssm_forward + its gated
+norm): vLLM's Triton ``causal_conv1d_fn`` (in-place on the conv pool), ``mamba_chunk_scan_combined_varlen`` with
+its chunk-aligned metadata and fused softplus(dt + dt_bias), the pool scatter, and ``rms_norm_gated``. Its chunk
+and conv metadata come from vLLM's own helpers, built once outside the timed loop (as its metadata builder does
+once per step). Both implementations' outputs and final states are also compared once (max abs difference),
+from identical copies of the pools: the in-tree kernels are an independent oracle for the plugin's layer.
 """
 
 import argparse
@@ -26,6 +35,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 from unittest import mock
 
@@ -73,20 +83,32 @@ def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
 
 
 def make_step(layer: Mamba2Mixer, S, L, resumed, dtype, dev, seed=1):
-    """Inputs, state pools and scheduler-side metadata of one prefill-only step."""
+    """Inputs, state pools (host copies: every implementation starts from the same values) and scheduler-side
+    metadata of one prefill-only step."""
     g = torch.Generator().manual_seed(seed)
     T = S * L
     n_proj = layer.in_proj.out_features
     slots_n = 2 * S + 1
-    conv_pool = torch.randn(slots_n, CONV_WIDTH - 1, layer.conv_dim, generator=g) * 0.1
-    ssm_pool = torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1
-    layer.kv_cache = [conv_pool.to(dev, dtype), ssm_pool.to(dev, dtype)]
+    pools = (torch.randn(slots_n, CONV_WIDTH - 1, layer.conv_dim, generator=g) * 0.1,
+             torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1)
     slots = torch.randperm(slots_n - 1, generator=g)[:S] + 1  # slot 0 is the null block
     qsl = torch.arange(S + 1, dtype=torch.int32) * L
     context = torch.tensor([7 if resumed and s % 2 == 1 else 0 for s in range(S)], dtype=torch.int32)
+    projected = torch.randn(T, n_proj, generator=g).to(dev, dtype)
+    return dict(T=T, S=S, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context)
+
+
+def fresh_pools(step, dtype, dev):
+    return [p.to(dev, dtype) for p in step["pools"]]
+
+
+def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
+    """The plugin's own path: the metadata builder once (timed), then ``conv_ssm_forward`` per call."""
+    S, T, dtype = step["S"], step["T"], step["projected"].dtype
     table = torch.zeros(S, 4, dtype=torch.int32)
-    table[:, 0] = slots
-    seq = context + L
+    table[:, 0] = step["slots"]
+    seq = step["context"] + step["qsl"].diff()
+    qsl = step["qsl"]
     cam = SimpleNamespace(num_reqs=S, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
                           query_start_loc=qsl.to(dev), seq_lens=seq.to(dev), block_table_tensor=table.to(dev),
                           num_actual_tokens=T)
@@ -94,8 +116,66 @@ def make_step(layer: Mamba2Mixer, S, L, resumed, dtype, dev, seed=1):
         model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV_WIDTH)),
         scheduler_config=SimpleNamespace(max_num_seqs=S), compilation_config=SimpleNamespace())
     builder = Mamba2PluginMetadataBuilder(None, [layer.prefix], vllm_config, dev)
-    projected = torch.randn(T, n_proj, generator=g).to(dev, dtype)
-    return dict(T=T, projected=projected, builder=builder, cam=cam)
+    for _ in range(3):  # the last of three builds: the first pays one-time costs (pinned-memory set-up)
+        t = time.perf_counter()
+        meta = builder.build(0, cam)
+        build_us = (time.perf_counter() - t) * 1e6
+    out = torch.empty(T, layer.d_inner, dtype=dtype, device=dev)
+
+    def run():
+        holder[0] = meta  # what the patched compat.layer_metadata answers
+        layer.conv_ssm_forward(step["projected"], out)
+        return out
+
+    return run, build_us
+
+
+def intree_runner(layer: Mamba2Mixer, step, dev, holder):
+    """vLLM's in-tree MambaMixer2 prefill kernels (vLLM 0.26 signatures) on the same weights, inputs and pools."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+    from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+    from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadataBuilder
+    from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+
+    S, T = step["S"], step["T"]
+    H, P, G, N = layer.num_heads, layer.head_dim, layer.n_groups, layer.state_size
+    t = time.perf_counter()
+    cu_chunk, seq_idx, last_chunk = BaseMambaAttentionMetadataBuilder._compute_chunk_metadata(
+        None, CHUNK, S, step["context"], step["qsl"])
+    nums_dict, batch_ptr, offset_ptr = compute_causal_conv1d_metadata(step["qsl"], device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    cu_chunk, seq_idx, last_chunk = (torch.tensor(v, **i32) for v in (cu_chunk, seq_idx, last_chunk))
+    conv_meta = SimpleNamespace(nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=offset_ptr)
+    has_init = (step["context"] > 0).to(dev)
+    any_init = bool((step["context"] > 0).any())
+    idx = step["slots"].to(**i32)
+    qsl = step["qsl"].to(dev)
+    build_us = (time.perf_counter() - t) * 1e6
+    w = layer.conv1d.weight.view(layer.conv_dim, CONV_WIDTH)
+    y = torch.empty(T, layer.d_inner, dtype=step["projected"].dtype, device=dev)
+
+    def run():
+        conv_pool, ssm_pool = layer.kv_cache
+        z, xBC, dt = layer._split_projection(step["projected"])
+        xBC = causal_conv1d_fn(xBC.transpose(0, 1), w, layer.conv1d.bias, activation="silu",
+                               conv_states=conv_pool.transpose(-1, -2), has_initial_state=has_init,
+                               cache_indices=idx, metadata=conv_meta, query_start_loc=qsl).transpose(0, 1)[:T]
+        x, B, C = torch.split(xBC, [layer.d_inner, G * N, G * N], dim=-1)
+        init = torch.where(has_init[:, None, None, None], ssm_pool[idx], 0) if any_init else None
+        states = mamba_chunk_scan_combined_varlen(
+            x.view(T, H, P), dt, layer.A, B.view(T, G, N), C.view(T, G, N), chunk_size=CHUNK, D=layer.D, z=None,
+            dt_bias=layer.dt_bias, seq_idx=seq_idx, cu_seqlens=qsl, cu_chunk_seqlens=cu_chunk,
+            last_chunk_indices=last_chunk, initial_states=init, dt_softplus=True, dt_limit=(0.0, float("inf")),
+            out=y.view(T, H, P), state_dtype=ssm_pool.dtype)
+        ssm_pool[idx] = states
+        return rms_norm_gated(y, layer.norm.weight, None, z=z, eps=layer.norm_eps, group_size=layer.norm_group_size,
+                              norm_before_gate=False)
+
+    return run, build_us
+
+
+RUNNERS = {"plugin": plugin_runner, "intree": intree_runner}
 
 
 def sync(dev):
@@ -103,70 +183,105 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def measure(layer, step, dev, iters: int, rows: int):
-    out = torch.empty(step["T"], layer.d_inner, dtype=step["projected"].dtype, device=dev)
-    for _ in range(3):  # the last of three builds: the first pays one-time costs (pinned-memory set-up)
-        t = time.perf_counter()
-        meta = step["builder"].build(0, step["cam"])
-        build_us = (time.perf_counter() - t) * 1e6
-
-    def run():
-        layer.conv_ssm_forward(step["projected"], out)
-
+def measure(run, dev, iters: int, rows: int):
+    for _ in range(3):  # compile / autotune outside the timed loops
+        run()
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(iters):
+        run()
+    host = (time.perf_counter() - t) / iters
+    sync(dev)
+    wall = (time.perf_counter() - t) / iters
     kernels = []
-    # No engine, so no forward context: the mixer's one lookup in it answers with this step's metadata.
-    with mock.patch.object(compat, "layer_metadata", lambda prefix: meta):
-        for _ in range(3):  # compile / autotune outside the timed loops
-            run()
-        sync(dev)
-        t = time.perf_counter()
-        for _ in range(iters):
-            run()
-        host = (time.perf_counter() - t) / iters
-        sync(dev)
-        wall = (time.perf_counter() - t) / iters
-        if dev.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
+    if dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(iters):
-                    run()
-                sync(dev)
-            ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-            kernels = [(e.key[:70], round(e.self_device_time_total / iters, 1), e.count // iters) for e in ka
-                       if e.self_device_time_total > 0][:rows]
-    layers = throughput.MODELS[step["model"]]["num_hidden_layers"]
-    return dict(build_us=build_us, host_us=host * 1e6, wall_us=wall * 1e6, step_ms_estimate=wall * layers * 1e3,
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                run()
+            sync(dev)
+        ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        kernels = [(e.key[:70], round(e.self_device_time_total / iters, 1), e.count // iters) for e in ka
+                   if e.self_device_time_total > 0][:rows]
+    return dict(host_us=host * 1e6, wall_us=wall * 1e6,
                 device_us_per_layer=round(sum(k_[1] for k_ in kernels), 1) if kernels else None, kernels=kernels)
+
+
+def compare(layer, step, runs, dtype, dev):
+    """One call of each implementation from identical pools: max |difference| of outputs and written states
+    against the first implementation's."""
+    results = {}
+    slots = step["slots"].to(dev)
+    for impl, run in runs.items():
+        layer.kv_cache = fresh_pools(step, dtype, dev)
+        out = run().float().clone()
+        results[impl] = (out, layer.kv_cache[0][slots].float(), layer.kv_cache[1][slots].float())
+    ref_impl, ref = next(iter(results.items()))
+    diffs = {}
+    for impl, got in list(results.items())[1:]:
+        diffs[f"{impl}_vs_{ref_impl}"] = {name: round(float((a - b).abs().max()), 5) for name, a, b in
+                                          zip(("out", "conv_state", "ssm_state"), got, ref)}
+    diffs["out_scale"] = round(float(ref[0].abs().max()), 3)
+    return diffs
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="130m")
     ap.add_argument("--layouts", default="16x512,2x4096,16x512r")
+    ap.add_argument("--impls", default="plugin", help="comma list of: " + ", ".join(RUNNERS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=15)
-    ap.add_argument("--out", default=None, help="append one JSON line per layout")
+    ap.add_argument("--out", default=None, help="append one JSON line per layout and implementation")
     args = ap.parse_args()
+    impls = args.impls.split(",")
+    unknown = [i for i in impls if i not in RUNNERS]
+    if unknown:
+        ap.error(f"unknown implementation(s) {unknown}; choose from {list(RUNNERS)}")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if "intree" in impls and dev.type != "cuda":
+        ap.error("--impls intree runs vLLM's Triton kernels: it needs --device cuda")
     layer = make_layer(args.model, dtype, dev)
     layers = throughput.MODELS[args.model]["num_hidden_layers"]
-    for spec in args.layouts.split(","):
-        S, L, resumed = parse_layout(spec)
-        step = dict(make_step(layer, S, L, resumed, dtype, dev), model=args.model)
-        r = dict(model=args.model, layout=spec, tokens=S * L, sequences=S, resumed=resumed, device=str(dev),
-                 dtype=args.dtype, **measure(layer, step, dev, args.iters, args.rows))
-        print(f"{args.model} {spec:>9} T={S * L}: metadata build {r['build_us']:.0f} us | per layer: host "
-              f"{r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} us | "
-              f"x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
-        for name, us, count in r["kernels"]:
-            print(f"    {us:9.1f} us  x{count:<3} {name}")
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(r) + "\n")
+    holder = [None]
+    # No engine, so no forward context: the mixer's one lookup in it answers with this step's metadata.
+    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
+        for spec in args.layouts.split(","):
+            S, L, resumed = parse_layout(spec)
+            step = make_step(layer, S, L, resumed, dtype, dev)
+            runs = {}
+            for impl in impls:
+                layer.kv_cache = fresh_pools(step, dtype, dev)
+                try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
+                    run, build_us = RUNNERS[impl](layer, step, dev, holder)
+                    r = dict(model=args.model, impl=impl, layout=spec, tokens=S * L, sequences=S, resumed=resumed,
+                             device=str(dev), dtype=args.dtype, build_us=build_us,
+                             **measure(run, dev, args.iters, args.rows))
+                except Exception:
+                    traceback.print_exc()
+                    print(f"{args.model} {impl:>6} {spec:>9}: FAILED (traceback above)", flush=True)
+                    continue
+                runs[impl] = run
+                r["step_ms_estimate"] = r["wall_us"] * layers / 1e3
+                print(f"{args.model} {impl:>6} {spec:>9} T={S * L}: metadata build {build_us:.0f} us | per layer: "
+                      f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
+                      f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
+                for name, us, count in r["kernels"]:
+                    print(f"    {us:9.1f} us  x{count:<3} {name}")
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+            if len(runs) > 1:
+                diffs = compare(layer, step, runs, dtype, dev)
+                print(f"{args.model} {spec:>9} max |difference| from identical pools: {json.dumps(diffs)}", flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(dict(model=args.model, layout=spec, compare=diffs)) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():
+        main()
