@@ -204,8 +204,12 @@ def measure(run, dev, iters: int, rows: int):
         ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
         kernels = [(e.key[:70], round(e.self_device_time_total / iters, 1), e.count // iters) for e in ka
                    if e.self_device_time_total > 0][:rows]
+        # Where the host time goes (self CPU time per op; profiler overhead inflates all of them alike).
+        kc = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        host_ops = [(e.key[:70], round(e.self_cpu_time_total / iters, 1), e.count // iters) for e in kc][:rows]
     return dict(host_us=host * 1e6, wall_us=wall * 1e6,
-                device_us_per_layer=round(sum(k_[1] for k_ in kernels), 1) if kernels else None, kernels=kernels)
+                device_us_per_layer=round(sum(k_[1] for k_ in kernels), 1) if kernels else None, kernels=kernels,
+                host_ops=host_ops if dev.type == "cuda" else [])
 
 
 def compare(layer, step, runs, dtype, dev):
@@ -270,6 +274,10 @@ def main():
                       f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
                       f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
                 for name, us, count in r["kernels"]:
+                    print(f"    {us:9.1f} us  x{count:<3} {name}")
+                if r["host_ops"]:
+                    print("    host (self CPU time per layer, under the profiler):")
+                for name, us, count in r["host_ops"]:
                     print(f"    {us:9.1f} us  x{count:<3} {name}")
                 if args.out:
                     with open(args.out, "a") as f:

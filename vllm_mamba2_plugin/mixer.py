@@ -145,14 +145,15 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             )
             conv_state[slots] = conv_final.to(conv_state.dtype)
             x_p, B_p, C_p = self._split_xbc(xBC_p)
-            dt_p = k.process_dt(dt[nd:n_tok], self.dt_bias, self.dt_limit)
+            # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
+            # and returns the final states in the pool's dtype.
             y_p, ssm_final = k.ssd_chunk_scan(
-                x_p, dt_p, self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
+                x_p, dt[nd:n_tok], self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
                 initial_states=ssm_state[slots] if resume else None,
                 has_initial_state=meta.has_initial_state_p if resume else None, D=self.D,
-                plan=meta.prefill_plan,
+                plan=meta.prefill_plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
             )
-            ssm_state[slots] = ssm_final.to(ssm_state.dtype)
+            ssm_state[slots] = ssm_final
             if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
                 y = y_p
             else:

@@ -42,25 +42,25 @@ BF16, F32 = torch.bfloat16, torch.float32
 # ------------------------------------------------------------------------------------------------------
 
 
-def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                     seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                     return_final_states=False, return_varlen_states=False):
-    """mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined."""
+def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                  cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """mamba_ssm.ops.triton.ssd_combined._mamba_chunk_scan_combined_fwd (ssd_combined.py:343-393): its checks,
+    its processing of dt (_chunk_cumsum_fwd_kernel: + dt_bias, softplus below 20, clamp; returned in the
+    (batch, nheads, nchunks, chunk_size) layout, zeros past the end) and its returned tuple."""
     batch, seqlen, nheads, headdim = x.shape
     _, _, ngroups, dstate = B.shape
     assert nheads % ngroups == 0 and B.shape == (batch, seqlen, ngroups, dstate) and C.shape == B.shape
     assert dt.shape == (batch, seqlen, nheads) and A.shape == (nheads,)
     assert D is None or D.shape in ((nheads, headdim), (nheads,))
-    assert z is None and dt_bias is None  # the wrapper never uses them
+    assert dt_bias is None or dt_bias.shape == (nheads,)  # ssd_chunk_state.py:721
+    assert z is None  # the wrapper never uses it
     if seq_idx is not None:
         assert seq_idx.shape == (batch, seqlen)
     if initial_states is not None:
         assert initial_states.shape == (batch, nheads, headdim, dstate)
-    if return_varlen_states:
-        assert cu_seqlens is not None and batch == 1  # ssd_combined.py:390, 601
-    dtp = dt.float()
+    dtp = dt.float() + (0.0 if dt_bias is None else dt_bias.float())
     if dt_softplus:
-        dtp = F.softplus(dtp)
+        dtp = torch.where(dtp <= 20.0, F.softplus(dtp), dtp)
     dtp = dtp.clamp(min=dt_limit[0], max=dt_limit[1])
     outs, finals, segs = [], [], None
     for b in range(batch):
@@ -76,34 +76,37 @@ def _fake_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, i
         outs.append(y)
         finals.append(fin)
     out = torch.stack(outs).to(x.dtype)
-    res = [out]
-    if return_final_states:
-        res.append(torch.stack([f[-1] for f in finals]))
-    if return_varlen_states:
-        assert cu_seqlens.tolist() == segs, (cu_seqlens.tolist(), segs)  # the wrapper passes matching bounds
-        res.append(finals[0].to(C.dtype))  # chunk states are stored in C's dtype (ssd_combined.py:381)
-    return res[0] if len(res) == 1 else tuple(res)
+    nchunks = -(-seqlen // chunk_size)
+    dt_out = torch.zeros(batch, nheads, nchunks * chunk_size)
+    dt_out[:, :, :seqlen] = dtp.transpose(1, 2)
+    dt_out = dt_out.view(batch, nheads, nchunks, chunk_size)
+    final_states = torch.stack([f[-1] for f in finals]).to(C.dtype)
+    res = (out, None, dt_out, None, None, final_states)
+    if cu_seqlens is None:
+        return res
+    assert batch == 1  # ssd_combined.py:390
+    assert cu_seqlens.tolist() == segs, (cu_seqlens.tolist(), segs)  # the wrapper passes matching bounds
+    return res + (finals[0].to(C.dtype),)  # chunk states are stored in C's dtype (ssd_combined.py:381)
 
 
-def _fake_conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                  final_states_out=None, activation=None):
-    """causal_conv1d.causal_conv1d_fn, with the checks of causal_conv1d_interface.py and causal_conv1d.cpp."""
-    assert activation in (None, "silu", "swish")
-    if x.stride(2) != 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    assert not (seq_idx is not None and return_final_states)
+def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation):
+    """causal_conv1d_cuda.causal_conv1d_fwd (the extension, in place into out), with causal_conv1d.cpp:150-240's
+    checks and the channel-last kernel's assumption that out has unit channel stride (causal_conv1d_fwd.cu:233)."""
+    assert x.dtype == out.dtype and x.shape == out.shape
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     assert weight.shape == (dim, width) and 2 <= width <= 4
+    assert x.stride(2) == 1 or x.stride(1) == 1
     channel_last = x.stride(1) == 1 and x.stride(2) > 1
     if channel_last:
         assert dim % 8 == 0 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0
+        assert out.stride(1) == 1, "the channel-last kernel writes channels at unit stride"
     if bias is not None:
-        assert bias.dtype == weight.dtype and bias.shape == (dim,)
+        assert bias.dtype == weight.dtype and bias.stride(-1) == 1 and bias.shape == (dim,)
     if seq_idx is not None:
         assert channel_last and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
         assert seq_idx.shape == (batch, seqlen)
-    assert initial_states is None and not return_final_states  # the wrapper never uses them
+    assert initial_states is None and final_states_out is None  # the wrapper never uses them
     xf = x.float()
     if seq_idx is None:
         o = F.conv1d(xf, weight.float().unsqueeze(1), None if bias is None else bias.float(),
@@ -116,14 +119,11 @@ def _fake_conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, retur
         if bias is not None:
             o = o + bias.float().view(1, dim, 1)
         o = o.masked_fill((seq_idx < 0).unsqueeze(1), 0.0)
-    if activation is not None:
+    if silu_activation:
         o = F.silu(o)
         if seq_idx is not None:
             o = o.masked_fill((seq_idx < 0).unsqueeze(1), 0.0)
-    out = torch.empty_like(x)  # as causal_conv1d_fwd_function; the channel-last kernel assumes channel stride 1
-    if channel_last:
-        assert out.stride(1) == 1
-    return out.copy_(o.to(x.dtype))
+    out.copy_(o.to(x.dtype))
 
 
 def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
@@ -218,10 +218,10 @@ def _fake_layer_norm_fwd(x, weight, bias, eps, z=None, out=None, group_size=None
 
 
 FAKE_KERNELS = SimpleNamespace(
-    mamba_chunk_scan_combined=_fake_chunk_scan,
+    ssd_fwd=_fake_ssd_fwd,
     selective_state_update=_fake_state_update,
     layer_norm_fwd=_fake_layer_norm_fwd,
-    causal_conv1d_fn=_fake_conv_fn,
+    conv_fwd=_fake_conv_fwd,
     causal_conv1d_update=_fake_conv_update,
 )
 
@@ -379,6 +379,38 @@ def test_ssd_edge_cases(kern, variant):
         assert torch.equal(torch.nan_to_num(kw["initial_states"]).cpu(), torch.nan_to_num(init_before).cpu())
 
 
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["state-f32", "state-bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype):
+    """The mixer's call: raw dt with dt_bias and a time-step limit, processed inside the scan (the kernel's fused
+    softplus + clamp, also feeding the initial-state correction), final states returned in the pool's dtype.
+    Oracle: the reference fed with process_dt's step sizes."""
+    c = case(kern, name)
+    lens = [c.cs + 1, 1, 2 * c.cs + 5, 3]
+    flags = [True, False, True, False]
+    x, _, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=5)
+    g = gen(6)
+    T = sum(lens)
+    raw = rnd(g, T, c.H, scale=2.0)
+    raw[::7, 0] = 30.0  # above softplus's threshold of 20 (linear there), then clamped by the limit
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g)
+    limit = (0.01, 0.5)
+    raw, dt_bias = raw.to(kern.dev, BF16), dt_bias.to(kern.dev)
+    h0 = garbage_states(gen(7), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, c.cs, 4, kern.dev)
+    y, fin = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias, dt_limit=limit,
+                               state_dtype=state_dtype)
+    assert y.dtype == BF16 and fin.dtype == state_dtype
+    t = tol(kern, "ssd", BF16)
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+
+
 # ------------------------------------------------------------------------------------------------------
 # causal conv1d (prefill)
 # ------------------------------------------------------------------------------------------------------
@@ -411,6 +443,40 @@ def test_causal_conv1d_varlen(kern, dims, width, dtype):
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
         assert torch.equal(out[sum(lens):].cpu(), torch.zeros(3, Dm, dtype=dtype)), "padding tokens -> 0"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("row_pad", [0, 13], ids=["aligned-rows", "odd-row-stride"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, monkeypatch):
+    """Fresh prompts (no state read, every sequence >= W-1 tokens, no padding): the conv reads x where it lies
+    (the mixer's projection slice) when its rows allow the channel-last kernel's vector loads (16-byte aligned,
+    row stride a multiple of 8), and goes through the extended buffer otherwise. Same results either way,
+    checked against the reference; initial states flagged False are never read (garbage in them)."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    lens = [3, 8, 17, 5] if dims == "tiny" else [3, 255, 256, 700]
+    T, S = sum(lens), len(lens)
+    g = gen(30)
+    proj = rnd(g, T, 8 + Dm + 8 + row_pad).to(kern.dev, dtype)
+    x = proj[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    flags = [False] * S
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = []
+    real_fwd = ck._conv_fwd
+    monkeypatch.setattr(ck, "_conv_fwd", lambda k, xv, *a: (launched.append(xv.data_ptr()), real_fwd(k, xv, *a))[1])
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, None, None, activation="silu")
+    for kw in (dict(plan=None), dict(plan=plan), dict(initial_states=init, has_initial_state=hi, plan=plan)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, activation="silu", **kw)
+        assert launched and (launched[0] == x.data_ptr()) == (row_pad == 0), "in-place layout taken or not"
+        assert out.dtype == dtype and fin.dtype == dtype and out.is_contiguous()
+        assert_close(out, out_r, tol(kern, "conv", dtype), f"out ({list(kw)})")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
 
 
 def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):

@@ -183,6 +183,21 @@ def test_ssd_chunk_scan_varlen_mixed_initial_states(chunk_size, n_groups):
     assert_close(fin, fin_ref)
 
 
+def test_ssd_chunk_scan_raw_dt_with_bias_and_limit_and_state_dtype():
+    """The mixer's call form: raw dt + dt_bias (+ a limit) is processed inside, and final states come back in
+    the requested dtype. Oracle: the step-by-step recurrence on process_dt's step sizes."""
+    torch.manual_seed(4)
+    lens = [5, 1, 12]
+    x, _, A, B, C = ssm_inputs(sum(lens), 2)
+    raw, bias, limit = torch.randn(sum(lens), H) * 2, torch.randn(H), (0.05, 0.8)
+    y, fin = ssd_chunk_scan(x, raw, A, B, C, 4, cu_of(lens), dt_bias=bias, dt_limit=limit,
+                            state_dtype=torch.bfloat16)
+    y_ref, fin_ref = oracle_ssm(x, process_dt(raw, bias, limit), A, B, C, lens)
+    assert fin.dtype == torch.bfloat16
+    assert_close(y, y_ref)
+    assert (fin.double() - fin_ref).abs().max() <= 2**-8 * fin_ref.abs().max()  # bf16 rounding only
+
+
 def test_ssd_chunk_scan_no_initial_states_no_D():
     torch.manual_seed(1)
     lens = [5, 1, 12, 4]

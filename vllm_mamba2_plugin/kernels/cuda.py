@@ -7,27 +7,34 @@ the Mamba1 extension and sets a global Triton allocator, which must never happen
 
 What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-conv1d 1.7.0):
 
-* ``ssd_chunk_scan``: ONE packed ``mamba_chunk_scan_combined`` call for all sequences, with seq_idx,
-  cu_seqlens and return_varlen_states and NO initial states; initial states are then added exactly in torch.
-  The kernel cannot take a per-sequence initial state in a packed batch: ``initial_states`` is per batch row
-  (ssd_combined.py:369) and, with seq_idx, only reaches the row's FIRST sequence (state passing starts from
-  it and resets whenever seq_idx changes, ssd_state_passing.py:64-80; chunk scan applies the previous state
-  only to tokens whose seq_idx equals the previous token's, ssd_chunk_scan.py:98-113), while varlen final
-  states require batch == 1 (ssd_combined.py:390). One call per continuing sequence would work but costs
-  5 Triton launches per sequence (vLLM's V2 runner can send many 1-token rows that carry state). SSD is
-  linear in h0, so the exact fix is
+* ``ssd_chunk_scan``: ONE packed call of ``_mamba_chunk_scan_combined_fwd`` (the forward that
+  ``mamba_chunk_scan_combined`` runs inside its autograd Function; inference needs no saved tensors) for all
+  sequences, with seq_idx and cu_seqlens (varlen final states) and NO initial states; initial states are then
+  added exactly in torch. The kernel cannot take a per-sequence initial state in a packed batch:
+  ``initial_states`` is per batch row (ssd_combined.py:369) and, with seq_idx, only reaches the row's FIRST
+  sequence (state passing starts from it and resets whenever seq_idx changes, ssd_state_passing.py:64-80;
+  chunk scan applies the previous state only to tokens whose seq_idx equals the previous token's,
+  ssd_chunk_scan.py:98-113), while varlen final states require batch == 1 (ssd_combined.py:390). One call per
+  continuing sequence would work but costs 5 Triton launches per sequence (vLLM's V2 runner can send many
+  1-token rows that carry state). SSD is linear in h0, so the exact fix is
       y_t   += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
   computed in float32 for the continuing sequences only, batched over fixed-size token blocks (see
-  ``_add_initial_state``). Rows flagged has_initial_state False never read initial_states (torch.where).
+  ``_add_initial_state``), from the step sizes the kernel itself computed. With dt_bias the kernel's first
+  pass applies softplus(dt + dt_bias) and the limit (ssd_chunk_state.py:72-81), so no separate dt kernels.
+  Rows flagged has_initial_state False never read initial_states.
   Host sync: sizes (cu_seqlens, has_initial_state) are needed on the host. The mixer passes the step's
   ``plan_prefill`` (built by the metadata builder from host bounds, uploaded once): no sync. Without a plan,
   one is built here (one .tolist() of device bounds).
-* ``causal_conv1d``: ONE ``causal_conv1d_fn`` call (channel-last, seq_idx) over an extended buffer
-  [init_0, seq_0, init_1, seq_1, ...] where each sequence's K initial-state rows carry that sequence's
-  seq_idx, so the kernel convolves through them; the same kernel with ``initial_states`` would again only
-  serve the first sequence (causal_conv1d_fwd.cu:237, 306: initial_states only for the first L-chunk, tagged
-  with seq_idx[0]). Final states are a torch gather of the last K rows of each [init_s, seq_s] block, since
-  ``return_final_states`` is refused with seq_idx (causal_conv1d_interface.py:27-30). No host sync.
+* ``causal_conv1d``: ONE call of causal-conv1d's channel-last forward extension (``causal_conv1d_cuda``,
+  what ``causal_conv1d_fn`` reaches through an autograd Function and a custom op) with seq_idx. Fresh prompts
+  are read in place from the projection; otherwise through an extended buffer [init_0, seq_0, init_1, seq_1,
+  ...] where each sequence's K initial-state rows carry that sequence's seq_idx, so the kernel convolves
+  through them; the kernel's own ``initial_states`` would again only serve the first sequence
+  (causal_conv1d_fwd.cu:237, 306: initial_states only for the first L-chunk, tagged with seq_idx[0]). Final
+  states are a torch gather of each sequence's last K input rows, since final states are refused with seq_idx
+  (causal_conv1d_interface.py:27-30). No host sync.
+  Why the direct calls: a prefill step is host-bound (benchmarks/prefill_layer.py on the H200: ~1.9 ms of
+  host time per layer against ~0.65 ms of GPU time before this), so every wrapper layer and glue op counts.
 * ``conv_update``: ONE ``causal_conv1d_update(..., conv_state_indices=int32)`` on the pool's transposed view
   (slots, D, K) (strides (slot, 1, D)); the C++ checks only shapes/dtypes, strides are free
   (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
@@ -35,7 +42,7 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   form with dt/A/dt_bias/D broadcast by stride-0 ``expand`` (takes the kernel's TIE_HDIM scalar path).
 * ``gated_rms_norm``: ``_layer_norm_fwd(group_size=..., norm_before_gate=False, is_rms_norm=True)`` (what
   ``rmsnorm_fn`` runs, without its autograd wrapper, writing into the caller's buffer).
-* ``process_dt``: plain torch (reference's).
+* ``process_dt``: plain torch (reference's); the mixer's prefill path lets the SSD kernel do it instead.
 """
 
 from __future__ import annotations
@@ -75,21 +82,22 @@ def _kernels() -> SimpleNamespace:
     global _KERNELS
     if _KERNELS is None:
         try:
-            from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+            import causal_conv1d_cuda
+            from causal_conv1d import causal_conv1d_update
             from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
             from mamba_ssm.ops.triton.selective_state_update import (
                 _selective_scan_update_kernel,
                 selective_state_update,
             )
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+            from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         _KERNELS = SimpleNamespace(
-            mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+            ssd_fwd=_mamba_chunk_scan_combined_fwd,
             selective_state_update=selective_state_update,
             ssu_kernel=_selective_scan_update_kernel,
             layer_norm_fwd=_layer_norm_fwd,
-            causal_conv1d_fn=causal_conv1d_fn,
+            conv_fwd=causal_conv1d_cuda.causal_conv1d_fwd,
             causal_conv1d_update=causal_conv1d_update,
         )
     return _KERNELS
@@ -136,7 +144,7 @@ def plan_prefill(
 def _add_initial_state(
     y: torch.Tensor,
     fin: torch.Tensor,
-    dt: torch.Tensor,
+    dt_ht: torch.Tensor,
     A: torch.Tensor,
     C: torch.Tensor,
     ip: InitCorrectionPlan,
@@ -144,9 +152,10 @@ def _add_initial_state(
 ) -> torch.Tensor:
     """Add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear in h0).
 
-    y: (Tu, H, P) float32 outputs of the kernel; fin: (S', H, P, N) float32 final states, updated in place.
-    dt: (Tu, H) processed; A: (H,); C: (Tu, G, N); ip: the plan's blocks for the I sequences that carry a
-    state; h0: (I, H, P, N) float32 their initial states. Returns y + correction (new tensor).
+    y: (Tu, H, P) outputs of the kernel (any float dtype); fin: (S', H, P, N) float32 final states, updated
+    in place; dt_ht: (H, Tu) float32 processed step sizes (the kernel's own, head-major); A: (H,);
+    C: (Tu, G, N); ip: the plan's blocks for the I sequences that carry a state; h0: (I, H, P, N) float32
+    their initial states. Returns y + correction (new float32 tensor).
 
     With a(t) = exp(sum_{k=start..t} dt_k A) (inclusive: h_t includes step t's decay):
         y_t += a(t) · (C_t · h0)     final += a(end-1) · h0.
@@ -161,12 +170,14 @@ def _add_initial_state(
     I = h0.shape[0]
 
     # Log-decays summed in float64 over the packed batch, then differenced at sequence starts: float32
-    # cumsums over thousands of tokens would lose ~1e-3 absolute in the exponent.
-    dA = dt.to(torch.float64) * A.to(torch.float64)  # (Tu, H)
-    csum = torch.cat([dA.new_zeros(1, H), dA.cumsum(0)])  # csum[i] = sum_{k<i}
-    decay_tok = torch.exp(csum[1:] - csum[ip.tok_start]).to(torch.float32)  # (Tu, H) a(t)
+    # cumsums over thousands of tokens would lose ~1e-3 absolute in the exponent. Head-major (H, Tu), so
+    # the scan runs along the contiguous dim: a (Tu, H) scan over dim 0 took 1.5 ms per layer on an H200
+    # (torch's outer-dim scan kernel in float64), this one takes microseconds.
+    dA = dt_ht.to(torch.float64) * A.to(torch.float64)[:, None]  # (H, Tu)
+    csum = torch.cat([dA.new_zeros(H, 1), dA.cumsum(1)], dim=1)  # csum[:, i] = sum_{k<i}
+    decay_tok = torch.exp(csum[:, 1:] - csum[:, ip.tok_start]).to(torch.float32).t()  # (Tu, H) a(t)
 
-    total = torch.exp(csum[ip.end] - csum[ip.start]).to(torch.float32)  # (I, H)
+    total = torch.exp(csum[:, ip.end] - csum[:, ip.start]).to(torch.float32).t()  # (I, H)
     fin[ip.pos] += total[:, :, None, None] * h0
 
     tok, blk = ip.tok, ip.block
@@ -177,7 +188,7 @@ def _add_initial_state(
     corr = torch.matmul(Cb.permute(0, 2, 1, 3), hb.transpose(-1, -2))  # (nb, G, blk, R*P)
     corr = corr.view(nb, G, blk, R, P).permute(0, 2, 1, 3, 4).reshape(nb, blk, H, P) * ab[..., None]
 
-    out = torch.cat([y, y.new_zeros(1, H, P)])
+    out = torch.cat([y.to(torch.float32), y.new_zeros(1, H, P, dtype=torch.float32)])
     out.index_add_(0, tok.reshape(-1), corr.reshape(nb * blk, H, P))  # each real token appears once
     return out[:Tu]
 
@@ -194,15 +205,21 @@ def ssd_chunk_scan(
     has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
     plan: Optional[VarlenPlan] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+    state_dtype: torch.dtype = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan over a packed varlen batch (contract: reference.ssd_chunk_scan).
 
-    x: (T, H, P)  dt: (T, H) processed  A: (H,)  B, C: (T, G, N)  cu_seqlens: (S+1,) (CPU or device)
+    x: (T, H, P)  dt: (T, H) processed, or raw with dt_bias (H,) (the kernel then computes
+    softplus(dt + dt_bias) clamped to dt_limit: ``process_dt`` fused into its first pass)  A: (H,)
+    B, C: (T, G, N)  cu_seqlens: (S+1,) (CPU or device)
     initial_states: (S, H, P, N) or None  has_initial_state: (S,) bool or None (CPU or device)  D: (H,)|(H, P)
     plan: ``plan_prefill`` of the same bounds (the mixer's path: no host sync); None builds one here, which
     costs a sync for device bounds. A plan's flags take the place of has_initial_state's values for the
     correction; has_initial_state still selects the returned states of empty sequences.
-    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) float32.
+    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
+    kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
     """
     k = _kernels()
     T, H, P = x.shape
@@ -214,44 +231,56 @@ def ssd_chunk_scan(
     elif plan.T != T:
         raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
     S = plan.S
-    # (S, H, P, N) float32: zeros where not flagged, garbage-safe (torch.where, not a multiply).
-    h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), torch.float32, dev)
-    if initial_states is not None and h0.data_ptr() == initial_states.data_ptr():
-        h0 = h0.clone()  # has_initial_state None + float32 input: never hand the caller's tensor back
-    y = x.new_zeros(T, H, P)
     if not plan.nonempty:
-        return y, h0
+        return x.new_zeros(T, H, P), _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N),
+                                                       state_dtype, dev)
 
     # Only non-empty sequences go to the kernel: chunk_state_varlen would compute (end-1)//chunk for an
     # empty sequence at position 0 (ssd_chunk_state.py:661-675), and an empty one needs no work anyway.
+    # The forward function itself, not the autograd Function around it (mamba_chunk_scan_combined): inference
+    # needs no saved tensors, and the wrapper's host time counts here (prefill steps are host-bound).
     lo, hi = plan.cu[0], plan.cu[-1]
-    out, varlen_states = k.mamba_chunk_scan_combined(
+    raw = dt_bias is not None
+    res = k.ssd_fwd(
         x[lo:hi].unsqueeze(0),  # (1, Tu, H, P)
-        dt[lo:hi].unsqueeze(0),  # (1, Tu, H): already softplus'ed and clamped -> dt_softplus=False
+        dt[lo:hi].unsqueeze(0),  # (1, Tu, H)
         A,
         B[lo:hi].unsqueeze(0),
         C[lo:hi].unsqueeze(0),
         int(chunk_size),
         D=D,
+        dt_bias=dt_bias,
         seq_idx=plan.seq_idx.unsqueeze(0),  # int32 0..S'-1: the kernels only compare ids (ssd_bmm.py:84-88)
         cu_seqlens=plan.cu_k,
-        dt_softplus=False,
-        return_final_states=False,
-        return_varlen_states=True,
-    )  # out: (1, Tu, H, P) x.dtype; varlen_states: (S', H, P, N) in C.dtype (the chunk states' dtype)
-    fin_k = varlen_states.to(torch.float32)
+        dt_softplus=raw,
+        dt_limit=dt_limit if raw else (0.0, float("inf")),
+    )  # (out, out_x, dt, dA_cumsum, states, final_states, varlen_states) (ssd_combined.py:343-393)
+    out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
 
     if plan.init is not None and initial_states is not None:
-        y_k = _add_initial_state(out[0].to(torch.float32), fin_k, dt[lo:hi], A, C[lo:hi], plan.init,
-                                 h0[plan.init.rows])
-        y[lo:hi] = y_k.to(x.dtype)
+        fin_k = fin_k.to(torch.float32)
+        dt_ht = dt_k[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
+        out = _add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
+                                 initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
+    if lo == 0 and hi == T:  # every token covered (the mixer's case): the kernel's output is the result
+        y = out
     else:
-        y[lo:hi] = out[0]
-
+        y = x.new_zeros(T, H, P)
+        y[lo:hi] = out
+    fin_k = fin_k.to(state_dtype)
     if len(plan.nonempty) == S:
         return y, fin_k
+    h0 = _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N), state_dtype, dev)
     h0[plan.nonempty_dev] = fin_k  # empty sequences keep their (selected) initial state
     return y, h0
+
+
+def _initial_or_zeros(initial_states, has_initial_state, shape, dtype, dev) -> torch.Tensor:
+    """``_select_initial`` as a fresh tensor (never the caller's initial_states: callers write into it)."""
+    h0 = _select_initial(initial_states, has_initial_state, shape, dtype, dev)
+    if initial_states is not None and h0.data_ptr() == initial_states.data_ptr():
+        h0 = h0.clone()
+    return h0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -275,12 +304,18 @@ def causal_conv1d(
     initial_states: (S, W-1, D) or None ("SD" layout)  has_initial_state: (S,) bool or None
     returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype.
 
-    Layout sent to the kernel, E = T + S*K rows, every row exactly once:
+    Two layouts, both ONE causal-conv1d launch with seq_idx (channel-last kernel):
+    * fresh prompts (no sequence starts from a state, every sequence >= W-1 tokens, no padding, x's rows
+      16-byte aligned with a row stride that is a multiple of 8): x itself, read in place through its
+      channel-last view (1, D, T); the kernel zero-pads each sequence's start where seq_idx changes. Final
+      states are the last W-1 input rows of each sequence (one gather).
+    * otherwise an extended buffer, E = T + S*K rows, every row exactly once:
         row(init_s[j]) = cu[s] + s*K + j          row(token t of seq s) = t + (s+1)*K
-        tokens t >= cu[S] (padding)  -> t + S*K, with seq_idx -1 (the kernel writes 0 for seq_idx < 0).
+        tokens t >= cu[S] (padding)  -> t + S*K, with seq_idx -1 (the kernel writes 0 for seq_idx < 0),
+      where each sequence's K initial-state rows carry its seq_idx, so the kernel convolves through them.
     The row indices come from ``plan`` (``plan_prefill``, built once per step: no host sync); None builds
-    one here from cu_seqlens (a sync for device bounds). (Unlike the reference, a cu_seqlens not starting at
-    0 is not detected here.)
+    one here from cu_seqlens and has_initial_state (a sync for device tensors). (Unlike the reference, a
+    cu_seqlens not starting at 0 is not detected here.)
     """
     T, Dm = x.shape
     W = weight.shape[-1]
@@ -298,31 +333,44 @@ def causal_conv1d(
     k = _kernels()
     dev = x.device
     if plan is None:
-        plan = build_plan(cu_seqlens, None, False, T, 1, (W,), dev)
+        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, 1, (W,), dev)
     elif plan.T != T:
         raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
     S = plan.S
     if S <= 0:
         return x.new_zeros(T, Dm), x.new_zeros(0, K, Dm)
     cp = conv_plan(plan, K)
+    if bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
+    silu = activation is not None
+
+    fresh = initial_states is None or not any(plan.init_flags)
+    if fresh and cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0:
+        # Channel-last view (1, D, T), strides (D, 1, row stride): the kernel reads 8-channel vectors
+        # (16 bytes) at row starts, hence the alignment checks (causal_conv1d.cpp:175-181 checks the strides).
+        out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu)
+        return out[0].t(), x[cp.last_row].view(S, K, Dm)
+
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, dev)
-
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=dev)  # fresh, contiguous: 16-byte aligned rows
     ext[cp.tok_row] = x
     ext[cp.state_row] = init.reshape(S * K, Dm)
-
-    # Channel-last view (1, D, E), strides (D, 1, D): x.stride(1) == 1 selects the channel-last kernel, and
-    # strides (0) and (2) are D, multiples of 8 (causal_conv1d.cpp:175-181). The output is empty_like(x), so
-    # it keeps these strides. seq_idx: int32, contiguous (causal_conv1d.cpp:195-198).
-    if bias is not None and bias.dtype != weight.dtype:
-        bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
-    out = k.causal_conv1d_fn(
-        ext.t().unsqueeze(0), weight, bias, seq_idx=cp.seq_idx.unsqueeze(0), activation=activation
-    )
+    out = _conv_fwd(k, ext.t().unsqueeze(0), weight, bias, cp.seq_idx, silu)
     y = out[0].t()[cp.tok_row]  # (T, D); padding tokens are 0
     final = ext[cp.final_row].view(S, K, Dm)
     return y, final
+
+
+def _conv_fwd(k, xv: torch.Tensor, weight, bias, seq_idx: torch.Tensor, silu: bool) -> torch.Tensor:
+    """causal-conv1d's forward extension called directly, as its ``causal_conv1d_fn`` would (no autograd
+    Function, no custom-op dispatch: host time per layer matters in prefill). xv: (1, D, L) channel-last view;
+    seq_idx: (L,) int32 contiguous (causal_conv1d.cpp:195-198). The output is allocated channel-last, (1, D, L)
+    with strides (L*D, 1, D): the channel-last kernel writes channels at unit stride (causal_conv1d_fwd.cu:233)."""
+    L, Dm = xv.shape[2], xv.shape[1]
+    out = torch.empty(1, L, Dm, dtype=xv.dtype, device=xv.device).transpose(1, 2)
+    k.conv_fwd(xv, weight, bias, seq_idx.unsqueeze(0), None, out, None, silu)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -127,17 +127,21 @@ def ssd_chunk_scan(
     has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
     plan: object = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+    state_dtype: torch.dtype = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan over a packed varlen batch.
 
-    x: (T, H, P)  dt: (T, H) already processed (softplus(dt+bias), clamped) -- positive step sizes
+    x: (T, H, P)  dt: (T, H) already processed (softplus(dt+bias), clamped) -- positive step sizes; or raw
+      when dt_bias (H,) is given: then dt = process_dt(dt, dt_bias, dt_limit) first
     A: (H,) negative reals   B, C: (T, G, N) with H % G == 0 (head h uses group h // (H//G))
     cu_seqlens: (S+1,) int  sequence boundaries in the packed token dim
     initial_states: (S, H, P, N) or None; has_initial_state: (S,) bool or None (None = all True if
       initial_states given). Rows with has_initial_state False start from zeros EVEN IF initial_states holds
       garbage (NaN/inf included).
     D: (H,) (or (H, P)) or None -> y += D[h] * x
-    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) float32
+    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (computed in float32)
     Tokens outside [cu_seqlens[0], cu_seqlens[-1]) (e.g. padding) get y = 0.
 
     Recurrence: h_t = exp(dt_t*A) h_{t-1} + dt_t * x_t ⊗ B_t ; y_t = h_t · C_t (+ D x_t).
@@ -170,10 +174,12 @@ def ssd_chunk_scan(
     n_chunks = sum(nch)
     max_nch = max(nch, default=0)
 
+    if dt_bias is not None:
+        dt = process_dt(dt, dt_bias, dt_limit)
     h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
 
     if n_chunks == 0:
-        return x.new_zeros(T, H, P), h0.clone()
+        return x.new_zeros(T, H, P), h0.to(state_dtype, copy=True)
 
     # ---- gather tokens into (c, l) chunk layout; index T points at an all-zero pad row ----------------
     seq_lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
@@ -243,7 +249,7 @@ def ssd_chunk_scan(
     # Scatter back to packed order; every pad position writes the dummy row T, which is dropped.
     y = torch.zeros(T + 1, H, P, dtype=f32, device=dev)
     y[tok.reshape(-1)] = Y.reshape(n_chunks * cs, H, P)
-    return y[:T].to(x.dtype), final_states
+    return y[:T].to(x.dtype), final_states.to(state_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -31,6 +31,9 @@ class ConvPlan:
     state_row: torch.Tensor  # (S*K,) long: rows of each sequence's K initial-state inputs
     seq_idx: torch.Tensor  # (E,) int32: sequence id of every row, -1 for padding tokens
     final_row: torch.Tensor  # (S*K,) long: the last K rows of each [init_s, seq_s] block
+    # The in-place layout of fresh prompts (x read directly, no extended buffer):
+    in_place: bool  # host: cu[0] == 0, cu[S] == T (no padding) and every sequence has >= K tokens
+    last_row: torch.Tensor  # (S*K,) long: the last K tokens of each sequence in x (valid when in_place)
 
 
 @dataclass
@@ -144,8 +147,11 @@ def build_plan(
             "i_tok": tok, "i_b_seq": b_seq,
         })
 
+    in_place = {}
     for W in conv_widths:
-        host.update({f"c{W - 1}_{k}": v for k, v in _conv_host(cu, num_tokens, W - 1).items()})
+        K = W - 1
+        host.update({f"c{K}_{k}": v for k, v in _conv_host(cu, num_tokens, K).items()})
+        in_place[K] = S > 0 and cu[0] == 0 and cu[-1] == num_tokens and min(b - a for a, b in zip(cu, cu[1:])) >= K
 
     dev = _upload(host, device)
     plan = VarlenPlan(
@@ -162,6 +168,7 @@ def build_plan(
         plan.conv[K] = ConvPlan(
             K=K, E=num_tokens + S * K, tok_row=dev[f"c{K}_tok_row"], state_row=dev[f"c{K}_state_row"],
             seq_idx=dev[f"c{K}_seq_idx"].to(torch.int32), final_row=dev[f"c{K}_final_row"],
+            in_place=in_place[K], last_row=dev[f"c{K}_last_row"],
         )
     return plan
 
@@ -181,7 +188,9 @@ def _conv_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     seq_idx[state_row] = s_ar.repeat_interleave(K)
     end_row = cu_t[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
     final_row = (end_row[:, None] - K + torch.arange(K)[None, :]).reshape(-1)
-    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row}
+    last_row = (cu_t[1:, None] - K + torch.arange(K)[None, :]).clamp(min=0).reshape(-1)
+    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row,
+            "last_row": last_row}
 
 
 def conv_plan(plan: VarlenPlan, K: int) -> ConvPlan:
