@@ -139,21 +139,23 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             resume = meta.any_initial_state_p
             xBC_p, conv_final = k.causal_conv1d(
                 xBC[nd:n_tok], self._conv_weight(), self.conv1d.bias, meta.query_start_loc_p,
-                initial_states=conv_state[slots] if resume else None,
+                initial_states=conv_state.index_select(0, slots) if resume else None,
                 has_initial_state=meta.has_initial_state_p if resume else None,
                 activation="silu", plan=meta.prefill_plan,
             )
-            conv_state[slots] = conv_final.to(conv_state.dtype)
+            # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
+            # time (prefill steps are host-bound: benchmarks/prefill_layer.py).
+            conv_state.index_copy_(0, slots, conv_final.to(conv_state.dtype))
             x_p, B_p, C_p = self._split_xbc(xBC_p)
             # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
             # and returns the final states in the pool's dtype.
             y_p, ssm_final = k.ssd_chunk_scan(
                 x_p, dt[nd:n_tok], self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
-                initial_states=ssm_state[slots] if resume else None,
+                initial_states=ssm_state.index_select(0, slots) if resume else None,
                 has_initial_state=meta.has_initial_state_p if resume else None, D=self.D,
                 plan=meta.prefill_plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
             )
-            ssm_state[slots] = ssm_final
+            ssm_state.index_copy_(0, slots, ssm_final)
             if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
                 y = y_p
             else:

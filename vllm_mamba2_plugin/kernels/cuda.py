@@ -349,7 +349,7 @@ def causal_conv1d(
         # Channel-last view (1, D, T), strides (D, 1, row stride): the kernel reads 8-channel vectors
         # (16 bytes) at row starts, hence the alignment checks (causal_conv1d.cpp:175-181 checks the strides).
         out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu)
-        return out[0].t(), x[cp.last_row].view(S, K, Dm)
+        return out[0].t(), x.index_select(0, cp.last_row).view(S, K, Dm)
 
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, dev)
