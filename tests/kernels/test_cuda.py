@@ -80,7 +80,7 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
     dt_out = torch.zeros(batch, nheads, nchunks * chunk_size)
     dt_out[:, :, :seqlen] = dtp.transpose(1, 2)
     dt_out = dt_out.view(batch, nheads, nchunks, chunk_size)
-    final_states = torch.stack([f[-1] for f in finals]).to(C.dtype)
+    final_states = torch.stack([f[-1] for f in finals])  # float32 (ssd_state_passing.py:208)
     res = (out, None, dt_out, None, None, final_states)
     if cu_seqlens is None:
         return res
@@ -106,11 +106,16 @@ def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_o
     if seq_idx is not None:
         assert channel_last and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
         assert seq_idx.shape == (batch, seqlen)
-    assert initial_states is None and final_states_out is None  # the wrapper never uses them
+    assert final_states_out is None  # the wrapper never asks for them
+    if initial_states is not None:  # causal_conv1d.cpp:211-223; the wrapper uses them without seq_idx only
+        assert channel_last and seq_idx is None and initial_states.dtype == x.dtype
+        assert initial_states.shape == (batch, dim, width - 1) and initial_states.stride(1) == 1
     xf = x.float()
     if seq_idx is None:
-        o = F.conv1d(xf, weight.float().unsqueeze(1), None if bias is None else bias.float(),
-                     padding=width - 1, groups=dim)[..., :seqlen]
+        # the width-1 inputs before position 0: the initial states (oldest first), else zeros
+        pre = initial_states.float() if initial_states is not None else xf.new_zeros(batch, dim, width - 1)
+        o = F.conv1d(torch.cat([pre, xf], -1), weight.float().unsqueeze(1),
+                     None if bias is None else bias.float(), groups=dim)
     else:  # causal_conv1d_ref's seq_idx branch (causal_conv1d_interface.py:155-174)
         xp = F.pad(xf, (width - 1, 0))
         sp = torch.cat([seq_idx.new_full((batch, width - 1), -1), seq_idx], dim=-1)
@@ -247,6 +252,24 @@ def kern(request, monkeypatch):
     return SimpleNamespace(name="cuda", dev=torch.device("cuda"))
 
 
+@pytest.fixture(params=["rerun", "correction"])
+def resume_path(request, kern, monkeypatch):
+    """How sequences that resume a saved state are handled: "rerun" (each one alone through the kernels'
+    native initial state; the wrappers' choice for up to ck.SEPARATE_RESUMED_MAX of them) or "correction"
+    (the batched exact correction of the SSD output and the extended conv buffer; forced here). Returns the
+    list of SSD forward calls' batch-row lengths, to check which path ran."""
+    monkeypatch.setattr(ck, "SEPARATE_RESUMED_MAX", 3 if request.param == "rerun" else -1)
+    ns = ck._kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+
+    def counting(x, *a, **kw):
+        calls.append(x.shape[1])
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(ns, "ssd_fwd", counting)
+    return SimpleNamespace(name=request.param, calls=calls)
+
+
 TOL = {("ssd", F32): 5e-3, ("ssd", BF16): 3e-2, ("any", F32): 1e-4, ("any", BF16): 1e-2}
 
 
@@ -327,7 +350,7 @@ def flags_of(flags, dev):
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(SSD_CASES))
-def test_ssd_varlen_initial_states(kern, name, dtype):
+def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
     c = case(kern, name)
     cs = c.cs
     lens = [cs + 1, 1, 3 * cs + 5, max(1, cs - 1), cs]  # 1, chunk-1, chunk, chunk+1, 3*chunk+5, shuffled
@@ -348,10 +371,14 @@ def test_ssd_varlen_initial_states(kern, name, dtype):
             a, b = int(cu[s]), int(cu[s + 1])
             assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
             assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
+    # one packed call per wrapper call, plus (rerun) one per resumed sequence, of exactly its length
+    resumed = [n for n, f in zip(lens, flags) if f]
+    per_call = [sum(lens)] + (resumed if resume_path.name == "rerun" else [])
+    assert resume_path.calls == per_call * 2, resume_path.calls
 
 
 @pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
-def test_ssd_edge_cases(kern, variant):
+def test_ssd_edge_cases(kern, variant, resume_path):
     c = case(kern, "tiny-g2")
     lens = {"empty-and-padding": [0, 5, 0, 17, 1]}.get(variant, [3, 16, 40, 1])
     pad = 7 if variant == "empty-and-padding" else 0
@@ -381,7 +408,7 @@ def test_ssd_edge_cases(kern, variant):
 
 @pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["state-f32", "state-bf16"])
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
-def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype):
+def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype, resume_path):
     """The mixer's call: raw dt with dt_bias and a time-step limit, processed inside the scan (the kernel's fused
     softplus + clamp, also feeding the initial-state correction), final states returned in the pool's dtype.
     Oracle: the reference fed with process_dt's step sizes."""
@@ -477,6 +504,39 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
         assert out.dtype == dtype and fin.dtype == dtype and out.is_contiguous()
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out ({list(kw)})")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeypatch):
+    """Some sequences resume a saved state, every sequence has >= W-1 tokens. "rerun": x is convolved in place
+    as if all were fresh, then each resumed sequence's first W-1 outputs are recomputed from its state (one
+    small launch each); "correction": the extended buffer. Both against the reference; unflagged states hold
+    garbage."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    lens = [3, 9, 4, 17] if dims == "tiny" else [3, 255, 256, 700]
+    flags = [True, False, True, True]
+    T, S = sum(lens), len(lens)
+    g = gen(31)
+    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = []
+    real_fwd = ck._conv_fwd
+    monkeypatch.setattr(ck, "_conv_fwd", lambda k, xv, *a: (launched.append(xv.data_ptr()), real_fwd(k, xv, *a))[1])
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
+    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
+        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+        if resume_path.name == "rerun":
+            assert launched[0] == x.data_ptr() and len(launched) == 1 + sum(flags), launched
+        else:
+            assert len(launched) == 1 and launched[0] != x.data_ptr()
 
 
 def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
@@ -685,7 +745,7 @@ def _mix(k, xBC, cu, conv_pool, ssm_pool, slots, has_init, w, b, dt, A, D, c, Dx
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
-def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype):
+def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_path):
     c = case(kern, name)
     W, Dx = 4, c.H * c.P
     Dm = Dx + 2 * c.G * c.N

@@ -19,7 +19,10 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   1-token rows that carry state). SSD is linear in h0, so the exact fix is
       y_t   += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
   computed in float32 for the continuing sequences only, batched over fixed-size token blocks (see
-  ``_add_initial_state``), from the step sizes the kernel itself computed. With dt_bias the kernel's first
+  ``_add_initial_state``), from the step sizes the kernel itself computed. When at most
+  ``SEPARATE_RESUMED_MAX`` sequences resume (the usual chunked-prefill step: one), each is instead rerun alone
+  as one batch row with its initial state (which the kernel takes natively) and its rows overwritten: fewer
+  host launches than the correction, and prefill steps are host-bound. With dt_bias the kernel's first
   pass applies softplus(dt + dt_bias) and the limit (ssd_chunk_state.py:72-81), so no separate dt kernels.
   Rows flagged has_initial_state False never read initial_states.
   Host sync: sizes (cu_seqlens, has_initial_state) are needed on the host. The mixer passes the step's
@@ -126,6 +129,11 @@ def _conv_unsupported(dim: int, width: int, x_dtype, w_dtype) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 # SSD chunked scan (prefill)
 # --------------------------------------------------------------------------------------------------------
+
+
+# At most this many resumed sequences in a step are rerun one by one (``ssd_chunk_scan``); more take the batched
+# initial-state correction. One rerun is ~6 kernel launches of host time, the correction ~40 small ones.
+SEPARATE_RESUMED_MAX = 3
 
 
 def plan_prefill(
@@ -258,10 +266,25 @@ def ssd_chunk_scan(
     out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
 
     if plan.init is not None and initial_states is not None:
-        fin_k = fin_k.to(torch.float32)
-        dt_ht = dt_k[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
-        out = _add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
-                                 initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
+        resumed = [s for s in plan.nonempty if plan.init_flags[s]]  # host list: no sync
+        if len(resumed) <= SEPARATE_RESUMED_MAX:
+            # Few resumed sequences (chunked prefill resumes about one per step): rerun each alone, as one batch
+            # row whose initial state the kernel takes natively, and overwrite its rows and final state. Costs
+            # one more forward (6 launches) per sequence instead of the correction's ~40 small torch launches.
+            fin_k = fin_k.to(torch.float32)
+            for s in resumed:
+                a, b = plan.cu[s], plan.cu[s + 1]
+                r = k.ssd_fwd(x[a:b].unsqueeze(0), dt[a:b].unsqueeze(0), A, B[a:b].unsqueeze(0),
+                              C[a:b].unsqueeze(0), int(chunk_size), D=D, dt_bias=dt_bias,
+                              initial_states=initial_states[s: s + 1], dt_softplus=raw,
+                              dt_limit=dt_limit if raw else (0.0, float("inf")))
+                out[a - lo: b - lo] = r[0][0]
+                fin_k[plan.nonempty.index(s)] = r[5][0]  # float32 (ssd_state_passing.py:208)
+        else:
+            fin_k = fin_k.to(torch.float32)
+            dt_ht = dt_k[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
+            out = _add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
+                                     initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
     if lo == 0 and hi == T:  # every token covered (the mixer's case): the kernel's output is the result
         y = out
     else:
@@ -305,9 +328,10 @@ def causal_conv1d(
     returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype.
 
     Two layouts, both ONE causal-conv1d launch with seq_idx (channel-last kernel):
-    * fresh prompts (no sequence starts from a state, every sequence >= W-1 tokens, no padding, x's rows
-      16-byte aligned with a row stride that is a multiple of 8): x itself, read in place through its
-      channel-last view (1, D, T); the kernel zero-pads each sequence's start where seq_idx changes. Final
+    * every sequence >= W-1 tokens, no padding, x's rows 16-byte aligned with a row stride that is a multiple
+      of 8, at most ``SEPARATE_RESUMED_MAX`` sequences resuming a state: x itself, read in place through its
+      channel-last view (1, D, T); the kernel zero-pads each sequence's start where seq_idx changes, and each
+      resumed sequence's first W-1 outputs are then recomputed from its state (one small launch each). Final
       states are the last W-1 input rows of each sequence (one gather).
     * otherwise an extended buffer, E = T + S*K rows, every row exactly once:
         row(init_s[j]) = cu[s] + s*K + j          row(token t of seq s) = t + (s+1)*K
@@ -344,12 +368,22 @@ def causal_conv1d(
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
     silu = activation is not None
 
-    fresh = initial_states is None or not any(plan.init_flags)
-    if fresh and cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0:
+    resumed = [] if initial_states is None else [s for s in range(S) if plan.init_flags[s]]  # host: no sync
+    rows_ok = cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    if rows_ok and len(resumed) <= SEPARATE_RESUMED_MAX:
         # Channel-last view (1, D, T), strides (D, 1, row stride): the kernel reads 8-channel vectors
         # (16 bytes) at row starts, hence the alignment checks (causal_conv1d.cpp:175-181 checks the strides).
         out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu)
-        return out[0].t(), x.index_select(0, cp.last_row).view(S, K, Dm)
+        y = out[0].t()
+        for s in resumed:
+            # Only a resumed sequence's first K outputs read its saved state (every sequence has >= K tokens
+            # here): recompute those K rows from the state, through the kernel's initial_states (one sequence,
+            # no seq_idx: the form the kernel supports, causal_conv1d.cpp:211-223).
+            a = plan.cu[s]
+            init_s = initial_states[s].to(x.dtype).t().unsqueeze(0)  # (1, D, K), unit channel stride
+            y[a: a + K] = _conv_fwd(k, x[a: a + K].t().unsqueeze(0), weight, bias, None, silu, init_s)[0].t()
+        # Final states: each sequence's last K inputs (>= K tokens each, so never the saved state).
+        return y, x.index_select(0, cp.last_row).view(S, K, Dm)
 
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, dev)
@@ -362,14 +396,17 @@ def causal_conv1d(
     return y, final
 
 
-def _conv_fwd(k, xv: torch.Tensor, weight, bias, seq_idx: torch.Tensor, silu: bool) -> torch.Tensor:
+def _conv_fwd(k, xv: torch.Tensor, weight, bias, seq_idx: Optional[torch.Tensor], silu: bool,
+              initial_states: Optional[torch.Tensor] = None) -> torch.Tensor:
     """causal-conv1d's forward extension called directly, as its ``causal_conv1d_fn`` would (no autograd
     Function, no custom-op dispatch: host time per layer matters in prefill). xv: (1, D, L) channel-last view;
-    seq_idx: (L,) int32 contiguous (causal_conv1d.cpp:195-198). The output is allocated channel-last, (1, D, L)
-    with strides (L*D, 1, D): the channel-last kernel writes channels at unit stride (causal_conv1d_fwd.cu:233)."""
+    seq_idx: (L,) int32 contiguous (causal_conv1d.cpp:195-198) or None; initial_states: (1, D, K) with unit
+    channel stride, xv's dtype, or None. The output is allocated channel-last, (1, D, L) with strides
+    (L*D, 1, D): the channel-last kernel writes channels at unit stride (causal_conv1d_fwd.cu:233)."""
     L, Dm = xv.shape[2], xv.shape[1]
     out = torch.empty(1, L, Dm, dtype=xv.dtype, device=xv.device).transpose(1, 2)
-    k.conv_fwd(xv, weight, bias, seq_idx.unsqueeze(0), None, out, None, silu)
+    k.conv_fwd(xv, weight, bias, None if seq_idx is None else seq_idx.unsqueeze(0), initial_states, out, None,
+               silu)
     return out
 
 
