@@ -8,7 +8,9 @@
 #
 # Measured durations on the H200 (2026-12-02, MAMBA_DETERMINISTIC=1, cold caches): setup 56-65 s; tests/kernels
 # 51 s; tests/gpu: first eager engine 71 s, each further eager engine 14-54 s, FULL-graph test 121 s,
-# piecewise-graph test 138 s, in-tree test > 130 s (vLLM's in-tree kernels autotune ~90 s at start-up).
+# piecewise-graph test 138 s, in-tree test 161 s (vLLM's in-tree kernels autotune ~90 s at start-up).
+# With a carried .gpu/triton-autotune.tgz (4th session): setup 62 s, throughput.py --models 130m --modes graph
+# --impls plugin,intree 289 s, benchmarks/prefill_layer.py --impls plugin,intree (2 layouts) 37-43 s.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
