@@ -139,7 +139,7 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
     from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
     S, T = step["S"], step["T"]
-    H, P, G, N = layer.num_heads, layer.head_dim, layer.n_groups, layer.state_size
+    H, P = layer.num_heads, layer.head_dim
     t = time.perf_counter()
     cu_chunk, seq_idx, last_chunk = BaseMambaAttentionMetadataBuilder._compute_chunk_metadata(
         None, CHUNK, S, step["context"], step["qsl"])
@@ -161,10 +161,10 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
         xBC = causal_conv1d_fn(xBC.transpose(0, 1), w, layer.conv1d.bias, activation="silu",
                                conv_states=conv_pool.transpose(-1, -2), has_initial_state=has_init,
                                cache_indices=idx, metadata=conv_meta, query_start_loc=qsl).transpose(0, 1)[:T]
-        x, B, C = torch.split(xBC, [layer.d_inner, G * N, G * N], dim=-1)
+        x, B, C = layer._split_xbc(xBC)  # (T, H, P), (T, G, N), (T, G, N) views, as in-tree's .view calls
         init = torch.where(has_init[:, None, None, None], ssm_pool[idx], 0) if any_init else None
         states = mamba_chunk_scan_combined_varlen(
-            x.view(T, H, P), dt, layer.A, B.view(T, G, N), C.view(T, G, N), chunk_size=CHUNK, D=layer.D, z=None,
+            x, dt, layer.A, B, C, chunk_size=CHUNK, D=layer.D, z=None,
             dt_bias=layer.dt_bias, seq_idx=seq_idx, cu_seqlens=qsl, cu_chunk_seqlens=cu_chunk,
             last_chunk_indices=last_chunk, initial_states=init, dt_softplus=True, dt_limit=(0.0, float("inf")),
             out=y.view(T, H, P), state_dtype=ssm_pool.dtype)

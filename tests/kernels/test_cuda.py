@@ -270,6 +270,14 @@ def resume_path(request, kern, monkeypatch):
     return SimpleNamespace(name=request.param, calls=calls)
 
 
+def record_conv_launches(monkeypatch):
+    """The data pointers of the inputs of every causal-conv1d forward the wrapper launches (x's own pointer:
+    read in place; anything else: a staging buffer or a slice)."""
+    launched, real_fwd = [], ck._conv_fwd
+    monkeypatch.setattr(ck, "_conv_fwd", lambda k, xv, *a: (launched.append(xv.data_ptr()), real_fwd(k, xv, *a))[1])
+    return launched
+
+
 TOL = {("ssd", F32): 5e-3, ("ssd", BF16): 3e-2, ("any", F32): 1e-4, ("any", BF16): 1e-2}
 
 
@@ -492,9 +500,7 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
     flags = [False] * S
     init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    launched = []
-    real_fwd = ck._conv_fwd
-    monkeypatch.setattr(ck, "_conv_fwd", lambda k, xv, *a: (launched.append(xv.data_ptr()), real_fwd(k, xv, *a))[1])
+    launched = record_conv_launches(monkeypatch)
     plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)
     out_r, fin_r = ref.causal_conv1d(x, w, b, cu, None, None, activation="silu")
     for kw in (dict(plan=None), dict(plan=plan), dict(initial_states=init, has_initial_state=hi, plan=plan)):
@@ -524,9 +530,7 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
     w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
     init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    launched = []
-    real_fwd = ck._conv_fwd
-    monkeypatch.setattr(ck, "_conv_fwd", lambda k, xv, *a: (launched.append(xv.data_ptr()), real_fwd(k, xv, *a))[1])
+    launched = record_conv_launches(monkeypatch)
     out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
     for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
         launched.clear()

@@ -249,39 +249,31 @@ def ssd_chunk_scan(
     # needs no saved tensors, and the wrapper's host time counts here (prefill steps are host-bound).
     lo, hi = plan.cu[0], plan.cu[-1]
     raw = dt_bias is not None
-    res = k.ssd_fwd(
-        x[lo:hi].unsqueeze(0),  # (1, Tu, H, P)
-        dt[lo:hi].unsqueeze(0),  # (1, Tu, H)
-        A,
-        B[lo:hi].unsqueeze(0),
-        C[lo:hi].unsqueeze(0),
-        int(chunk_size),
-        D=D,
-        dt_bias=dt_bias,
-        seq_idx=plan.seq_idx.unsqueeze(0),  # int32 0..S'-1: the kernels only compare ids (ssd_bmm.py:84-88)
-        cu_seqlens=plan.cu_k,
-        dt_softplus=raw,
-        dt_limit=dt_limit if raw else (0.0, float("inf")),
-    )  # (out, out_x, dt, dA_cumsum, states, final_states, varlen_states) (ssd_combined.py:343-393)
+
+    def fwd(a: int, b: int, **kw):
+        """The forward over tokens [a, b) as one batch row (1, b-a, ...); dt raw (softplus + limit inside) or
+        processed. Returns (out, out_x, dt, dA_cumsum, states, final_states[, varlen_states])
+        (ssd_combined.py:343-393)."""
+        return k.ssd_fwd(x[a:b].unsqueeze(0), dt[a:b].unsqueeze(0), A, B[a:b].unsqueeze(0), C[a:b].unsqueeze(0),
+                         int(chunk_size), D=D, dt_bias=dt_bias, dt_softplus=raw,
+                         dt_limit=dt_limit if raw else (0.0, float("inf")), **kw)
+
+    # seq_idx: int32 0..S'-1, the kernels only compare ids (ssd_bmm.py:84-88)
+    res = fwd(lo, hi, seq_idx=plan.seq_idx.unsqueeze(0), cu_seqlens=plan.cu_k)
     out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
 
     if plan.init is not None and initial_states is not None:
-        resumed = [s for s in plan.nonempty if plan.init_flags[s]]  # host list: no sync
-        if len(resumed) <= SEPARATE_RESUMED_MAX:
+        fin_k = fin_k.to(torch.float32)
+        if len(plan.resumed) <= SEPARATE_RESUMED_MAX:
             # Few resumed sequences (chunked prefill resumes about one per step): rerun each alone, as one batch
             # row whose initial state the kernel takes natively, and overwrite its rows and final state. Costs
             # one more forward (6 launches) per sequence instead of the correction's ~40 small torch launches.
-            fin_k = fin_k.to(torch.float32)
-            for s in resumed:
+            for s in plan.resumed:
                 a, b = plan.cu[s], plan.cu[s + 1]
-                r = k.ssd_fwd(x[a:b].unsqueeze(0), dt[a:b].unsqueeze(0), A, B[a:b].unsqueeze(0),
-                              C[a:b].unsqueeze(0), int(chunk_size), D=D, dt_bias=dt_bias,
-                              initial_states=initial_states[s: s + 1], dt_softplus=raw,
-                              dt_limit=dt_limit if raw else (0.0, float("inf")))
+                r = fwd(a, b, initial_states=initial_states[s: s + 1])
                 out[a - lo: b - lo] = r[0][0]
                 fin_k[plan.nonempty.index(s)] = r[5][0]  # float32 (ssd_state_passing.py:208)
         else:
-            fin_k = fin_k.to(torch.float32)
             dt_ht = dt_k[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
             out = _add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
                                      initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
@@ -368,7 +360,7 @@ def causal_conv1d(
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
     silu = activation is not None
 
-    resumed = [] if initial_states is None else [s for s in range(S) if plan.init_flags[s]]  # host: no sync
+    resumed = [] if initial_states is None else plan.resumed
     rows_ok = cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     if rows_ok and len(resumed) <= SEPARATE_RESUMED_MAX:
         # Channel-last view (1, D, T), strides (D, 1, row stride): the kernel reads 8-channel vectors

@@ -68,6 +68,11 @@ class VarlenPlan:
     def S(self) -> int:
         return len(self.cu) - 1
 
+    @property
+    def resumed(self) -> List[int]:
+        """The non-empty sequences that start from a saved state (host)."""
+        return [s for s in self.nonempty if self.init_flags[s]]
+
 
 def _upload(host: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
     """Many small host int tensors -> device, with one copy (pinned and non-blocking on CUDA)."""
