@@ -25,6 +25,11 @@ with the first requests' first decodes) and the same staggered finish, so their 
 decode steps. (Until 2026-12-02 the harness used M = 1, which charged the mixed prefill/decode steps of batches
 64 and 256 to the decode steps; results before that say so.)
 Results go out as JSON lines as they come (a run cut short still reports what finished).
+
+--profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
+CPU + CUDA activity) records one decode run (the largest batch, prompt 512, ``PROFILE_NEW`` new tokens) and one
+prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
+``benchmarks/trace_steps.py`` turns a trace into per-step host / device tables.
 """
 
 import argparse
@@ -47,6 +52,7 @@ MODELS = {
                vocab_size=32768),
 }
 DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
+PROFILE_NEW = 64  # new tokens in the profiled decode run: ~17 mixed steps, ~48 steady full-batch steps, the tail
 PREFILL = dict(prompt=4096, new=1, batch=16)
 
 
@@ -109,6 +115,11 @@ def worker(args) -> None:
         kwargs["gpu_memory_utilization"] = 0.85
     if job["mode"] == "graph":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(DECODE["batches"]))}
+    if job.get("profile_dir"):
+        # Stack and shapes off: the trace stays a few MB. Front-end not profiled: the engine core is what runs
+        # the model. Nothing is recorded until start_profile().
+        kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
+                                         torch_profiler_with_stack=False, ignore_frontend=True)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
@@ -145,13 +156,21 @@ def worker(args) -> None:
                                           new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]))), flush=True)
-    if "prefill" not in workloads:
-        return
-    run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
-    el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
-    print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
-                                      new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
-                                      total_tok_s=(n_out + n_in) / el)), flush=True)
+    if "prefill" in workloads:
+        run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
+        el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
+        print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
+                                          new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
+                                          total_tok_s=(n_out + n_in) / el)), flush=True)
+    if job.get("profile_dir"):
+        t = time.perf_counter()
+        llm.start_profile()
+        if "decode" in workloads:
+            run(max(DECODE["batches"]), DECODE["prompt"], PROFILE_NEW)
+        if "prefill" in workloads:
+            run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
+        llm.stop_profile()  # writes the trace (gzip) and the kernel table
+        print(f"profiled in {time.perf_counter() - t:.1f} s -> {job['profile_dir']}", flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -219,6 +238,7 @@ def main() -> None:
     ap.add_argument("--md", default=None, help="append the markdown table here")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,64,256; also the capture sizes)")
     ap.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
+    ap.add_argument("--profile", action="store_true", help="also record a torch-profiler trace per worker")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -251,7 +271,9 @@ def main() -> None:
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
-                           workloads=args.workloads.split(","))
+                           workloads=args.workloads.split(","),
+                           profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
+                           if args.profile else None)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
                 proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -113,10 +113,10 @@ def test_cudagraph_support_follows_the_switch(monkeypatch):
 
 def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):
     builder = _builder()
-    # 3 real decodes padded to a graph of 4 rows: the pad row has no tokens and the null block.
+    # 3 real decodes padded to a graph of 4 rows: the pad row has no tokens; its slot is PAD_SLOT (-1), skipped.
     meta = builder.build(0, _cam([1, 1, 1, 0], [5, 2, 9, 0], [7, 3, 6, 0]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 4, 0)
-    assert meta.state_indices_d.tolist() == [7, 3, 6, 0]
+    assert meta.state_indices_d.tolist() == [7, 3, 6, -1] and meta.state_indices_d_i32.tolist() == [7, 3, 6, -1]
     first_ptr = meta.state_indices_d.data_ptr()
     meta = builder.build(0, _cam([1, 1], [4, 4], [2, 5]))
     assert meta.state_indices_d.tolist() == [2, 5] and meta.state_indices_d.data_ptr() == first_ptr

@@ -22,8 +22,11 @@ CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point 
 (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1) the builder also supports FULL graphs of decode-only steps
 (UNIFORM_SINGLE_TOKEN_DECODE, as vLLM's in-tree Mamba2): the runner pads such a batch to a captured size with
 rows of zero tokens whose block-table entry is the null block; the builder then counts every row as a decode
-and hands the mixer a persistent slot buffer (same address at capture and replay) whose padded tail points at
-the null block 0, so the padded rows update a state nobody reads.
+and hands the mixer a persistent slot buffer (same address at capture and replay) whose padded tail holds
+PAD_SLOT (-1): both decode kernels skip such rows (no state read or written, output 0), as vLLM's in-tree
+Mamba2 does. (Until the fifth session the tail pointed at the null block 0: every padded row then read and
+wrote the same slot, and on the H200 a 2.7b step of 111 real rows padded to 256 spent 17.0 ms in the state
+update against 10.9 ms for 256 real rows -- benchmarks/RESULTS.md.)
 """
 
 from dataclasses import dataclass
@@ -33,7 +36,7 @@ import torch
 from . import compat, envs
 from .kernels import get_kernels
 
-NULL_BLOCK = 0  # the block pool's null block: padded rows may write there
+PAD_SLOT = -1  # slot id of a padded row in a FULL decode graph: the decode kernels skip it
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -117,9 +120,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             max_bs = vllm_config.scheduler_config.max_num_seqs
             cap = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
             self.decode_graph_max_bs = min(max_bs, cap) if cap else max_bs
-            self._graph_slots = torch.full((self.decode_graph_max_bs,), NULL_BLOCK, dtype=torch.int64,
+            self._graph_slots = torch.full((self.decode_graph_max_bs,), PAD_SLOT, dtype=torch.int64,
                                            device=device)
-            self._graph_slots_i32 = torch.full((self.decode_graph_max_bs,), NULL_BLOCK, dtype=torch.int32,
+            self._graph_slots_i32 = torch.full((self.decode_graph_max_bs,), PAD_SLOT, dtype=torch.int32,
                                                device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
@@ -200,7 +203,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return None
         slots, slots_i32 = self._graph_slots[:num_reqs], self._graph_slots_i32[:num_reqs]
         slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
-        slots[num_real:].fill_(NULL_BLOCK)
+        slots[num_real:].fill_(PAD_SLOT)
         slots_i32.copy_(slots)
         return Mamba2PluginMetadata(
             num_decodes=num_reqs,

@@ -683,6 +683,50 @@ def test_ssu_launch_table_keeps_upstream_for_unmeasured_shapes():
     assert ck.ssu_launch_config(4, 24, 64, 128, torch.float16) == (16, 2)
 
 
+@pytest.mark.parametrize("launch", [None, (16, 2)], ids=["upstream", "16x2"])
+@pytest.mark.parametrize("H, G", [(8, 2), (80, 1)], ids=["tiny", "2.7b"])
+def test_decode_padding_rows_are_skipped(kern, H, G, launch):
+    """FULL decode graphs pad a batch to a captured size with slot id -1 (backend.PAD_SLOT): both decode
+    kernels must give those rows 0 and leave EVERY slot but the real rows' bit-identical (slot 0 included),
+    even with non-finite inputs on the padding rows; the real rows match the reference run without padding."""
+    if kern.name == "fake" and (launch is not None or H > 8):
+        pytest.skip("the plugin's own state-update launch and real shapes run on the GPU only")
+    P, N, K, Dm, slots = 16 if H == 8 else 64, 16 if H == 8 else 128, 3, 40, 12
+    shape = (K, Dm, H, P, N, BF16, BF16)
+    raw, conv, ssm = make_pools(slots, *shape, kern.dev, seed=70)
+    raw_r = raw.clone()
+    conv_r, ssm_r, _, _ = pool_views(raw_r, *shape)
+    real_slots = [5, 9, 2]
+    idx = torch.tensor([5, -1, 9, -1, 2, -1], device=kern.dev)  # padding rows between real ones
+    real_rows = [0, 2, 4]
+    pad_rows = [1, 3, 5]
+    g = gen(71)
+    x = rnd(g, 6, Dm).to(kern.dev, BF16)
+    xs = rnd(g, 6, H, P).to(kern.dev, BF16)
+    dt = rnd(g, 6, H).to(kern.dev, BF16)
+    B, C = rnd(g, 6, G, N).to(kern.dev, BF16), rnd(g, 6, G, N).to(kern.dev, BF16)
+    for t in (x, xs, dt, B, C):
+        t[pad_rows] = float("nan")  # whatever the padded rows carry must not leak anywhere
+    w, b = rnd(g, Dm, K + 1, scale=0.5).to(kern.dev, BF16), rnd(g, Dm, scale=0.1).to(kern.dev, BF16)
+    A = -torch.exp(torch.rand(H, generator=g) * 2.7).to(kern.dev)
+    dt_bias, D = rnd(g, H, scale=0.5).to(kern.dev), rnd(g, H).to(kern.dev)
+
+    y_conv = ck.conv_update(x, conv, w, b, idx.to(torch.int32))
+    y_ssm = ck.ssm_state_update(ssm, xs, dt, A, B, C, idx, D=D, dt_bias=dt_bias, dt_softplus=True, launch=launch)
+    ridx = torch.tensor(real_slots, device=kern.dev)
+    y_conv_r = ref.conv_update(x[real_rows], conv_r, w, b, ridx)
+    y_ssm_r = ref.ssm_state_update(ssm_r, xs[real_rows], dt[real_rows], A, B[real_rows], C[real_rows], ridx, D=D,
+                                   dt_bias=dt_bias, dt_softplus=True)
+    assert torch.equal(y_conv[pad_rows].float().cpu(), torch.zeros(3, Dm)), "padded conv rows must be 0"
+    assert torch.equal(y_ssm[pad_rows].float().cpu(), torch.zeros(3, H, P)), "padded SSM rows must be 0"
+    assert_close(y_conv[real_rows], y_conv_r, tol(kern, "conv", BF16), "conv out")
+    assert_close(y_ssm[real_rows], y_ssm_r, tol(kern, "ssm", BF16), "ssm out")
+    assert_close(conv[real_slots], conv_r[real_slots], 1e-6, "conv states")
+    assert_close(ssm[real_slots], ssm_r[real_slots], tol(kern, "ssm", BF16), "ssm states")
+    others = [s for s in range(slots) if s not in real_slots]
+    assert torch.equal(raw[others].cpu(), raw_r[others].cpu()), "a padded row touched a slot (slot 0 included)"
+
+
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssm_state_update_softplus_in_kernel(kern, name):
     """Raw dt + dt_bias with dt_softplus=True (the mixer's decode path for the default time_step_limit) ==

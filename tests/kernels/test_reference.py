@@ -335,6 +335,32 @@ def test_ssm_state_update_scattered_slots(n_groups):
         assert torch.equal(pool[others], untouched)
 
 
+def test_decode_updates_pass_over_padding_rows():
+    """Negative slot ids (padding rows of a FULL CUDA-graph batch) give 0 whatever their inputs, leave every
+    slot but the real ones and slot 0 (vLLM's null block, where the reference parks them) untouched, and do
+    not change the real rows' results."""
+    torch.manual_seed(4100)
+    Dm, W, slots, G = 6, 4, 8, 2
+    conv_pool, ssm_pool = torch.randn(slots, W - 1, Dm), torch.randn(slots, H, P, N)
+    conv_ref, ssm_ref = conv_pool.clone(), ssm_pool.clone()
+    idx = torch.tensor([-1, 6, -1, 3])
+    real, pad = [1, 3], [0, 2]
+    x = torch.randn(4, Dm)
+    xs, dt, _, B, C = ssm_inputs(4, G)
+    for t in (x, xs, dt, B, C):
+        t[pad] = float("nan")
+    w, b, A, D = torch.randn(Dm, W), torch.randn(Dm), -(torch.rand(H) + 0.05), torch.randn(H)
+    y = conv_update(x, conv_pool, w, b, idx)
+    y_ref = conv_update(x[real], conv_ref, w, b, idx[real])
+    h = ssm_state_update(ssm_pool, xs, dt, A, B, C, idx, D)
+    h_ref = ssm_state_update(ssm_ref, xs[real], dt[real], A, B[real], C[real], idx[real], D)
+    assert torch.equal(y[pad], torch.zeros(2, Dm)) and torch.equal(h[pad], torch.zeros(2, H, P))
+    assert torch.equal(y[real], y_ref) and torch.equal(h[real], h_ref)
+    others = [s for s in range(slots) if s not in (0, 6, 3)]
+    assert torch.equal(conv_pool[[6, 3] + others], conv_ref[[6, 3] + others])
+    assert torch.equal(ssm_pool[[6, 3] + others], ssm_ref[[6, 3] + others])
+
+
 # ------------------------------------------------------------------------------------------------------
 # gated_rms_norm
 # ------------------------------------------------------------------------------------------------------

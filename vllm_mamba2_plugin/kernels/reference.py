@@ -353,20 +353,32 @@ def conv_update(
 
     x: (B, D)  conv_states: (num_slots, W-1, D) pool, modified in place at rows state_indices
     weight: (D, W)  bias: (D,) or None
-    state_indices: (B,) int64 slot per row (must be valid slots; duplicates only for padding rows whose
-      state is thrown away, e.g. vLLM's null block 0). Returns out (B, D) in x.dtype.
+    state_indices: (B,) int64 slot per row: distinct slots, or a negative id for a padding row (see
+      ``_padding``). Returns out (B, D) in x.dtype; padding rows give 0.
     """
-    idx = state_indices.to(device=conv_states.device, dtype=torch.long)
+    idx, real = _padding(state_indices, conv_states.device)
     f32 = torch.float32
     state = conv_states[idx].to(f32)  # (B, W-1, D), a gathered copy
     window = torch.cat([state, x.to(f32)[:, None, :]], dim=1)  # (B, W, D), oldest first
     y = torch.einsum("bwd,dw->bd", window, weight.to(f32))
     if bias is not None:
         y = y + bias.to(f32)
-    y = _activate(y, activation)
+    y = torch.where(real[:, None], _activate(y, activation), 0.0)  # 0, not 0 * garbage
     # Shift left by one: drop the oldest input, append the current one.
     conv_states[idx] = window[:, 1:].to(conv_states.dtype)
     return y.to(x.dtype)
+
+
+def _padding(state_indices: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(slot ids with padding rows sent to slot 0, bool mask of the real rows).
+
+    A negative slot id marks a padding row (FULL CUDA-graph batches padded to a captured size; vLLM's
+    PAD_SLOT_ID). The CUDA kernels skip such rows: no state read or written, output 0. Here the padding rows'
+    outputs are 0 too, and their state update lands in slot 0 -- vLLM's null block, which the block pool never
+    gives a request -- because skipping them would need a data-dependent shape (a host sync, and no CUDA-graph
+    capture)."""
+    idx = state_indices.to(device=device, dtype=torch.long)
+    return idx.clamp(min=0), idx >= 0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -391,8 +403,8 @@ def ssm_state_update(
     ssm_states: (num_slots, H, P, N) pool (any float dtype; compute in float32, store back in pool dtype)
     x: (B, H, P)  dt: (B, H) processed step sizes -- or raw, with dt_bias (H,) / dt_softplus: the step size is
     then softplus(dt + dt_bias) (``process_dt`` without a limit)  A: (H,)  B, C: (B, G, N)
-    state_indices: (B,) int64  D: (H,) (or (H, P)) or None
-    returns y: (B, H, P) in x.dtype.
+    state_indices: (B,) int64, distinct, or negative for a padding row (``_padding``: output 0)
+    D: (H,) (or (H, P)) or None  returns y: (B, H, P) in x.dtype.
 
     h = exp(dt A) h + dt x ⊗ B ;  y = h · C + D x. y is read from the float32 state before it is rounded to
     the pool dtype (as mamba-ssm's selective_state_update does).
@@ -401,7 +413,7 @@ def ssm_state_update(
     G, N = B.shape[-2], B.shape[-1]
     R = _groups(H, G)
     f32 = torch.float32
-    idx = state_indices.to(device=ssm_states.device, dtype=torch.long)
+    idx, real = _padding(state_indices, ssm_states.device)
 
     h = ssm_states[idx].to(f32).view(Bsz, G, R, P, N)
     if dt_bias is not None:
@@ -421,7 +433,7 @@ def ssm_state_update(
         Df = (Df[:, None] if Df.dim() == 1 else Df).view(G, R, -1)
         y = y + xf * Df
     ssm_states[idx] = h.view(Bsz, H, P, N).to(ssm_states.dtype)
-    return y.view(Bsz, H, P).to(x.dtype)
+    return torch.where(real[:, None, None], y.view(Bsz, H, P), 0.0).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""Per-step host / device tables from a vLLM engine-core torch-profiler trace (``throughput.py --profile``).
+
+    python benchmarks/trace_steps.py out/profile-2.7b-plugin-graph [out/profile-2.7b-intree-graph ...]
+
+vLLM's worker wraps every engine step in a ``execute_context_<reqs>(<tokens>)_generation_<reqs>(<tokens>)``
+annotation. Each step is classified as decode (no context tokens), prefill (no generation tokens) or mixed, and
+for each class the script prints, averaged over its steps:
+  host     the annotation's duration (CPU time of the step's model execution call)
+  period   start of this step to start of the next (the engine's real cadence: scheduling, sampling, output
+           processing included); the last step of a run has none
+  kernels  the summed duration of the GPU kernels launched inside the step (CUDA-graph replays included: the
+           profiler attributes graph kernels to their cudaGraphLaunch)
+  span     first kernel start to last kernel end of those kernels
+plus the top kernels (device µs per step) and the top CPU ops by self time (µs per step) of that class.
+Kernel names are shortened; decode steps of different batch sizes are kept apart by their request count.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+
+
+def load(path: str) -> list:
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.trace.json*")))
+        if not files:
+            raise SystemExit(f"no *.trace.json[.gz] under {path}")
+        path = files[-1]
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def short(name: str, n: int = 70) -> str:
+    name = re.sub(r"\s+", " ", name)
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
+def self_times(ops: list) -> dict:
+    """Exclusive time per op name for X events of one thread (nested by time)."""
+    out = collections.Counter()
+    stack = []  # (end, name, child time)
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][0] <= e["ts"]:
+            end, name, dur, child = stack.pop()
+            out[name] += dur - child
+            if stack:
+                stack[-1][3] += dur
+        stack.append([e["ts"] + e["dur"], e["name"], e["dur"], 0.0])
+    while stack:
+        end, name, dur, child = stack.pop()
+        out[name] += dur - child
+        if stack:
+            stack[-1][3] += dur
+    return out
+
+
+def analyse(events: list, top: int) -> str:
+    steps = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation":
+            m = STEP.fullmatch(e["name"])
+            if m:
+                ctx_r, ctx_t, gen_r, gen_t = map(int, m.groups())
+                if ctx_t == 0 and gen_t == 0:
+                    continue  # empty step (run end)
+                kind = "decode" if ctx_t == 0 else "prefill" if gen_t == 0 else "mixed"
+                key = f"{kind} b{gen_r}" if kind == "decode" else kind
+                steps.append(dict(key=key, ts=e["ts"], dur=e["dur"], end=e["ts"] + e["dur"], tid=e.get("tid"),
+                                  tokens=ctx_t + gen_t))
+    steps.sort(key=lambda s: s["ts"])
+    for a, b in zip(steps, steps[1:]):
+        a["period"] = b["ts"] - a["ts"] if b["ts"] - a["ts"] < 20 * max(a["dur"], 1) else None
+    launch_ts = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = e["ts"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime",
+                                                                           "cuda_driver", "python_function")]
+    starts = [s["ts"] for s in steps]
+
+    import bisect
+
+    def step_of(ts):
+        i = bisect.bisect_right(starts, ts) - 1
+        return i if i >= 0 and ts <= steps[i]["end"] else None
+
+    per_step_k = collections.defaultdict(list)
+    for k in kernels:
+        lt = launch_ts.get(k.get("args", {}).get("correlation"))
+        i = step_of(lt) if lt is not None else None
+        if i is not None:
+            per_step_k[i].append(k)
+    per_step_ops = collections.defaultdict(list)
+    for o in cpu_ops:
+        i = step_of(o["ts"])
+        if i is not None and o.get("tid") == steps[i]["tid"]:
+            per_step_ops[i].append(o)
+
+    groups = collections.defaultdict(list)
+    for i, s in enumerate(steps):
+        groups[s["key"]].append(i)
+    lines = []
+    for key, idx in sorted(groups.items()):
+        n = len(idx)
+        host = sum(steps[i]["dur"] for i in idx) / n
+        periods = [steps[i]["period"] for i in idx if steps[i].get("period")]
+        ksum = sum(sum(k["dur"] for k in per_step_k[i]) for i in idx) / n
+        spans = [max(k["ts"] + k["dur"] for k in per_step_k[i]) - min(k["ts"] for k in per_step_k[i])
+                 for i in idx if per_step_k[i]]
+        toks = sum(steps[i]["tokens"] for i in idx) / n
+        lines.append(f"== {key}: {n} steps, {toks:.0f} tokens/step | host {host:.0f} µs | period "
+                     f"{(sum(periods) / len(periods)) if periods else float('nan'):.0f} µs | kernels {ksum:.0f} µs | "
+                     f"span {(sum(spans) / len(spans)) if spans else float('nan'):.0f} µs")
+        kt = collections.Counter()
+        kc = collections.Counter()
+        for i in idx:
+            for k in per_step_k[i]:
+                kt[short(k["name"])] += k["dur"]
+                kc[short(k["name"])] += 1
+        lines.append(f"   top kernels (µs per step, launches per step):")
+        for name, t in kt.most_common(top):
+            lines.append(f"     {t / n:9.1f}  {kc[name] / n:6.1f}  {name}")
+        st = collections.Counter()
+        for i in idx:
+            st.update(self_times(per_step_ops[i]))
+        lines.append(f"   top CPU ops by self time (µs per step):")
+        for name, t in st.most_common(top):
+            lines.append(f"     {t / n:9.1f}  {short(name)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", help="trace files or profile directories")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    for t in args.traces:
+        print(f"##### {t}")
+        print(analyse(load(t), args.top))
+
+
+if __name__ == "__main__":
+    main()
