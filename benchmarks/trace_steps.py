@@ -16,6 +16,7 @@ Kernel names are shortened; decode steps of different batch sizes are kept apart
 """
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -45,19 +46,20 @@ def short(name: str, n: int = 70) -> str:
 def self_times(ops: list) -> dict:
     """Exclusive time per op name for X events of one thread (nested by time)."""
     out = collections.Counter()
-    stack = []  # (end, name, child time)
-    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
-        while stack and stack[-1][0] <= e["ts"]:
-            end, name, dur, child = stack.pop()
-            out[name] += dur - child
-            if stack:
-                stack[-1][3] += dur
-        stack.append([e["ts"] + e["dur"], e["name"], e["dur"], 0.0])
-    while stack:
-        end, name, dur, child = stack.pop()
+    stack = []  # [end, name, duration, time of its children]
+
+    def close():
+        _, name, dur, child = stack.pop()
         out[name] += dur - child
         if stack:
             stack[-1][3] += dur
+
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][0] <= e["ts"]:
+            close()
+        stack.append([e["ts"] + e["dur"], e["name"], e["dur"], 0.0])
+    while stack:
+        close()
     return out
 
 
@@ -67,7 +69,7 @@ def analyse(events: list, top: int) -> str:
         if e.get("ph") == "X" and e.get("cat") == "user_annotation":
             m = STEP.fullmatch(e["name"])
             if m:
-                ctx_r, ctx_t, gen_r, gen_t = map(int, m.groups())
+                _, ctx_t, gen_r, gen_t = map(int, m.groups())
                 if ctx_t == 0 and gen_t == 0:
                     continue  # empty step (run end)
                 kind = "decode" if ctx_t == 0 else "prefill" if gen_t == 0 else "mixed"
@@ -85,8 +87,6 @@ def analyse(events: list, top: int) -> str:
     cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime",
                                                                            "cuda_driver", "python_function")]
     starts = [s["ts"] for s in steps]
-
-    import bisect
 
     def step_of(ts):
         i = bisect.bisect_right(starts, ts) - 1

@@ -134,7 +134,7 @@ def test_in_tree_vllm_agrees_on_cuda(model_dirs, oracles):
 
 def test_fp32_full_decode_graphs_greedy_slot_reuse(model_dirs, oracles, monkeypatch):
     """The default (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1, set explicitly here): decode-only steps replay FULL
-    CUDA graphs (padded batches, a persistent slot buffer, padding rows on the null block); mixed steps stay
+    CUDA graphs (padded batches, a persistent slot buffer, padding rows on PAD_SLOT -1, skipped); mixed steps stay
     piecewise."""
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
     variant = "g8_bias"
