@@ -26,6 +26,12 @@ decode steps. (Until 2026-12-02 the harness used M = 1, which charged the mixed 
 64 and 256 to the decode steps; results before that say so.)
 Results go out as JSON lines as they come (a run cut short still reports what finished).
 
+Each decode cell also reports ``timeline``: the engine's own step periods during the timed run (``StepTimeline``:
+engine-core timestamps of the steps' outputs, full-batch steps only; median, mean, p90, max, first and second
+half), how far the front end lags behind, and the garbage collections (>= 0.2 ms) of the worker and the engine
+core in that run. The harness's step is a whole-run average; the timeline says whether the engine's steps
+themselves are that long, or whether a few long ones (or a slow front end) make the difference.
+
 --profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
 CPU + CUDA activity) records one decode run (the largest batch, prompt 512, ``PROFILE_NEW`` new tokens) and one
 prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
@@ -95,6 +101,77 @@ def bytes_per_step(name: str, batch: int, state_bytes: tuple[int, int]) -> tuple
     return weights, state
 
 
+class StepTimeline:
+    """Per-step times of one engine, seen from the front end: for each EngineCoreOutputs that arrives, the
+    engine core's own timestamp (``EngineCoreOutputs.timestamp``, time.monotonic() in the engine-core process
+    when the step's outputs were made; CLOCK_MONOTONIC is system-wide), the arrival time and the number of
+    requests in it. The period between two engine timestamps is the engine's step time, host and GPU together.
+    Garbage collections of the worker and of processes forked from it (the engine core) are logged by a gc
+    callback into ``<dir>/gc-<pid>.log`` (collections >= 0.2 ms; the callback is inherited across fork)."""
+
+    def __init__(self, llm, gc_dir: str):
+        self.steps, self.gc_dir = [], gc_dir
+        core = llm.llm_engine.engine_core
+        get_output = core.get_output
+
+        def timed_get_output():
+            out = get_output()
+            self.steps.append((out.timestamp, time.monotonic(), len(out.outputs)))
+            return out
+
+        core.get_output = timed_get_output
+
+    @staticmethod
+    def install_gc_probe(gc_dir: str) -> None:
+        import gc
+
+        os.makedirs(gc_dir, exist_ok=True)
+        start = {}
+
+        def probe(phase, info):
+            if phase == "start":
+                start["t"] = time.monotonic()
+                return
+            dt = time.monotonic() - start.get("t", time.monotonic())
+            if dt >= 2e-4:
+                with open(os.path.join(gc_dir, f"gc-{os.getpid()}.log"), "a") as f:
+                    f.write(f"{start['t']:.6f} {dt:.6f} {info.get('generation')}\n")
+
+        gc.callbacks.append(probe)
+
+    def gc_between(self, t0: float, t1: float) -> dict:
+        """{'pid': (total ms, longest ms, count)} of the logged collections that started in [t0, t1]."""
+        res = {}
+        for name in os.listdir(self.gc_dir):
+            if not name.startswith("gc-"):
+                continue
+            pid = name[3:-4]
+            ev = [tuple(map(float, line.split()))
+                  for line in open(os.path.join(self.gc_dir, name)) if line.strip()]
+            ev = [e for e in ev if t0 <= e[0] <= t1]
+            if ev:
+                res[pid] = (round(1e3 * sum(e[1] for e in ev), 2), round(1e3 * max(e[1] for e in ev), 2), len(ev))
+        return res
+
+    def summary(self, begin: int, batch: int, t0: float, t1: float) -> dict:
+        """Step periods of the full-batch steps among the outputs from index ``begin`` on (one run)."""
+        import statistics
+
+        steps = self.steps[begin:]
+        periods = [(b[0] - a[0]) * 1e3 for a, b in zip(steps, steps[1:]) if b[2] == batch and a[2] == batch]
+        if not periods:
+            return dict(steps=len(steps))
+        half = len(periods) // 2
+        q = sorted(periods)
+        return dict(steps=len(steps), full_batch_periods=len(periods),
+                    median_ms=round(statistics.median(periods), 3), mean_ms=round(statistics.fmean(periods), 3),
+                    p90_ms=round(q[int(0.9 * (len(q) - 1))], 3), max_ms=round(q[-1], 3),
+                    first_half_median_ms=round(statistics.median(periods[:half] or periods), 3),
+                    second_half_median_ms=round(statistics.median(periods[half:]), 3),
+                    front_lag_ms=round(1e3 * statistics.median(s[1] - s[0] for s in steps), 3),
+                    gc=self.gc_between(t0, t1))
+
+
 def worker(args) -> None:
     import torch
     from vllm import LLM, SamplingParams
@@ -120,9 +197,12 @@ def worker(args) -> None:
         # the model. Nothing is recorded until start_profile().
         kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
                                          torch_profiler_with_stack=False, ignore_frontend=True)
+    gc_dir = os.path.join(job["out"], f"gc-{job['model']}-{job['impl']}-{job['mode']}")
+    StepTimeline.install_gc_probe(gc_dir)  # before LLM(): the forked engine core inherits it
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
+    timeline = StepTimeline(llm, gc_dir)
     # Which class serves the architecture, and the state dtypes it asked for (front-end view of the config).
     from vllm.model_executor.models import ModelRegistry
 
@@ -150,12 +230,15 @@ def worker(args) -> None:
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
     for batch in DECODE["batches"] if "decode" in workloads else []:
         run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
+        begin, m0 = len(timeline.steps), time.monotonic()
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
+        steps = timeline.summary(begin, batch, m0, time.monotonic())
         el_mid, _, _ = run(batch, DECODE["prompt"], DECODE["mid"])
         print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
                                           new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
-                                          decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]))), flush=True)
+                                          decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]),
+                                          timeline=steps)), flush=True)
     if "prefill" in workloads:
         run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
         el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
@@ -269,6 +352,7 @@ def main() -> None:
                 elif impl == "plugin-piecewise":
                     env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "0"
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
+                           out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
                            workloads=args.workloads.split(","),
