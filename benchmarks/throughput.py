@@ -164,6 +164,8 @@ class StepTimeline:
         half = len(periods) // 2
         q = sorted(periods)
         return dict(steps=len(steps), full_batch_periods=len(periods),
+                    first_output_ms=round((steps[0][0] - t0) * 1e3, 2),
+                    outside_full_batch_ms=round((steps[-1][0] - t0) * 1e3 - sum(periods), 2),
                     median_ms=round(statistics.median(periods), 3), mean_ms=round(statistics.fmean(periods), 3),
                     p90_ms=round(q[int(0.9 * (len(q) - 1))], 3), max_ms=round(q[-1], 3),
                     first_half_median_ms=round(statistics.median(periods[:half] or periods), 3),
@@ -213,15 +215,19 @@ def worker(args) -> None:
     vocab = MODELS[job["model"]]["vocab_size"]
     g = torch.Generator().manual_seed(0)
 
+    runs = []  # (batch, prompt, new, monotonic start, end, index of its first step in the timeline)
+
     def run(batch, prompt_len, new):
         prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, vocab - 1, (prompt_len,), generator=g).tolist())
                    for _ in range(batch)]
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
         sync()
+        begin, m0 = len(timeline.steps), time.monotonic()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         sync()
         el = time.perf_counter() - t
+        runs.append((batch, prompt_len, new, m0, time.monotonic(), begin))
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         return el, n_out, batch * prompt_len
 
@@ -230,9 +236,8 @@ def worker(args) -> None:
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
     for batch in DECODE["batches"] if "decode" in workloads else []:
         run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
-        begin, m0 = len(timeline.steps), time.monotonic()
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
-        steps = timeline.summary(begin, batch, m0, time.monotonic())
+        steps = timeline.summary(runs[-1][5], batch, *runs[-1][3:5])
         el_mid, _, _ = run(batch, DECODE["prompt"], DECODE["mid"])
         print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
                                           new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
@@ -245,6 +250,9 @@ def worker(args) -> None:
         print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
                                           new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
                                           total_tok_s=(n_out + n_in) / el)), flush=True)
+    # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
+    with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
+        json.dump(dict(runs=runs, steps=timeline.steps), f)
     if job.get("profile_dir"):
         t = time.perf_counter()
         llm.start_profile()
@@ -287,12 +295,17 @@ def markdown(rows, bw, cmd) -> str:
     lines = [f"### {datetime.date.today().isoformat()} — {device_name()}, bf16 weights, measured copy bandwidth "
              f"{bw / 1e12:.2f} TB/s", "", f"`{cmd}`", "",
              "| model | mode | workload | batch | ssm state | plugin variant | plugin out tok/s | in-tree out tok/s | "
-             "ratio | plugin total tok/s | in-tree total tok/s | plugin step | in-tree step | "
+             "ratio | plugin total tok/s | in-tree total tok/s | plugin step (engine median) | "
+             "in-tree step (engine median) | "
              "plugin HBM-floor share | in-tree HBM-floor share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, field, fmt="{:.0f}"):
         return fmt.format(r[field]) if r and field in r else "—"
+
+    def step(r):
+        med = ((r or {}).get("timeline") or {}).get("median_ms")
+        return f(r, "decode_step_ms", "{:.2f} ms") + (f" ({med:.2f})" if med is not None else "")
 
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
         t = by.get(key + ("intree",))
@@ -304,8 +317,7 @@ def markdown(rows, bw, cmd) -> str:
             lines.append(
                 f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sd[1] if len(sd) > 1 else '?'} | {v or '—'} | "
                 f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
-                f"{f(t, 'total_tok_s')} | {f(p, 'decode_step_ms', '{:.2f} ms')} | "
-                f"{f(t, 'decode_step_ms', '{:.2f} ms')} | {f(p, 'floor_share', '{:.0%}')} | "
+                f"{f(t, 'total_tok_s')} | {step(p)} | {step(t)} | {f(p, 'floor_share', '{:.0%}')} | "
                 f"{f(t, 'floor_share', '{:.0%}')} |")
     return "\n".join(lines) + "\n"
 
