@@ -64,7 +64,7 @@ def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
     """One mixer layer of the model's shape with random weights (A, D, dt_bias float32, as the model loads them)."""
     c = throughput.MODELS[model]
     cfg = SimpleNamespace(hidden_size=c["hidden_size"], num_heads=c["num_heads"], head_dim=c["head_dim"],
-                          n_groups=c["n_groups"], state_size=c["state_size"], conv_kernel=CONV_WIDTH,
+                          n_groups=c["n_groups"], state_size=c["state_size"], conv_kernel=CONV_WIDTH, chunk_size=CHUNK,
                           layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
     from vllm.config import VllmConfig, set_current_vllm_config
 

@@ -36,6 +36,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     # Triton kernels specialise on, not one flag per process: two engines of different shapes or state dtypes
     # in one process (tests, notebooks) each need their own compile before their captures.
     _warm_decode_signatures: set = set()
+    _warm_prefill_signatures: set = set()
 
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
@@ -50,6 +51,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.state_size
         self.norm_eps = config.layer_norm_epsilon
         self.norm_group_size = self.d_inner // self.n_groups
+        self.chunk_size = int(config.chunk_size)
         limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
         self.dt_limit = (float(limit[0]), float(limit[1]))
         # softplus(dt) > 0, so a limit of (<= 0, inf) clamps nothing: the decode step then lets the state-update
@@ -115,9 +117,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def conv_ssm_forward(self, projected: torch.Tensor, out: torch.Tensor) -> None:
         meta = compat.layer_metadata(self.prefix)
         if meta is None:
-            # Profile / dummy run: no requests, no state. Only the output shape matters.
-            if projected.is_cuda and envs.full_decode_graphs():
-                self._warm_decode_kernels(projected)
+            # Profile / dummy run: no requests, no state. Only the output shape matters. On CUDA the first
+            # profile run also compiles and autotunes the kernels, before the state pools take the memory.
+            if projected.is_cuda:
+                self._warm_prefill_kernels(projected)
+                if envs.full_decode_graphs():
+                    self._warm_decode_kernels(projected)
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
@@ -134,28 +139,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             if nd > 0:
                 y_d = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
                                         meta.state_indices_d_i32)
-            slots = meta.state_indices_p
-            # All-fresh prompts (the scheduler's host flags say no row resumes a state): skip reading the slots.
-            resume = meta.any_initial_state_p
-            xBC_p, conv_final = k.causal_conv1d(
-                xBC[nd:n_tok], self._conv_weight(), self.conv1d.bias, meta.query_start_loc_p,
-                initial_states=conv_state.index_select(0, slots) if resume else None,
-                has_initial_state=meta.has_initial_state_p if resume else None,
-                activation="silu", plan=meta.prefill_plan,
-            )
-            # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
-            # time (prefill steps are host-bound: benchmarks/prefill_layer.py).
-            conv_state.index_copy_(0, slots, conv_final.to(conv_state.dtype))
-            x_p, B_p, C_p = self._split_xbc(xBC_p)
-            # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
-            # and returns the final states in the pool's dtype.
-            y_p, ssm_final = k.ssd_chunk_scan(
-                x_p, dt[nd:n_tok], self.A, B_p, C_p, meta.chunk_size, meta.query_start_loc_p,
-                initial_states=ssm_state.index_select(0, slots) if resume else None,
-                has_initial_state=meta.has_initial_state_p if resume else None, D=self.D,
-                plan=meta.prefill_plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
-            )
-            ssm_state.index_copy_(0, slots, ssm_final)
+            y_p = self._prefill_step(k, xBC[nd:n_tok], dt[nd:n_tok], conv_state, ssm_state, meta.state_indices_p,
+                                     meta.query_start_loc_p, meta.has_initial_state_p, meta.any_initial_state_p,
+                                     meta.prefill_plan, meta.chunk_size)
             if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
                 y = y_p
             else:
@@ -190,9 +176,81 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
         return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
+    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan, chunk_size):
+        """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
+        sequence starting from its slot's state where has_init says so; final states written back by slot.
+        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read)."""
+        xBC_p, conv_final = k.causal_conv1d(
+            xBC, self._conv_weight(), self.conv1d.bias, qsl,
+            initial_states=conv_state.index_select(0, slots) if any_init else None,
+            has_initial_state=has_init if any_init else None,
+            activation="silu", plan=plan,
+        )
+        # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
+        # time (prefill steps are host-bound: benchmarks/prefill_layer.py).
+        conv_state.index_copy_(0, slots, conv_final.to(conv_state.dtype))
+        x_p, B_p, C_p = self._split_xbc(xBC_p)
+        # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
+        # and returns the final states in the pool's dtype.
+        y_p, ssm_final = k.ssd_chunk_scan(
+            x_p, dt, self.A, B_p, C_p, chunk_size, qsl,
+            initial_states=ssm_state.index_select(0, slots) if any_init else None,
+            has_initial_state=has_init if any_init else None, D=self.D,
+            plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
+        )
+        ssm_state.index_copy_(0, slots, ssm_final)
+        return y_p
+
     def _gated_norm(self, k, y, z, out=None):
         return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
                                 self.norm_group_size, out=out)
+
+    def _warm_prefill_layouts(self):
+        """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
+        path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
+        sequence is shorter than W-1; one resumed sequence rerun alone; more than ``SEPARATE_RESUMED_MAX``
+        resumed: the batched correction), with token counts that are and are not multiples of 16 (Triton
+        compiles a kernel per divisibility of its integer arguments)."""
+        cs, many = self.chunk_size, 4
+        return [
+            ([cs // 2, cs + cs // 2], [False, False]),
+            ([cs + 5, 2], [False, False]),
+            ([37, cs], [True, False]),
+            ([20] * many, [True] * many),
+        ]
+
+    def _warm_prefill_kernels(self, projected: torch.Tensor) -> None:
+        """Compile and autotune the prefill kernels in the profile run, as vLLM's in-tree Mamba2 does (its
+        ``_warmup_ssd_kernels``). mamba-ssm's SSD kernels are autotuned per (chunk size, head dim, state size,
+        tensor dtypes, which optional tensors are given): without this the first real prefill of a process pays
+        for it -- on the H200 the first mixed step of a 7b-shape run took 29.6 s (benchmarks/RESULTS.md) -- and the
+        autotuner's trial runs would need memory the state pools have taken by then. Runs once per process and
+        layer signature, on scratch pools, through the same ``_prefill_step`` as real steps."""
+        conv_dtype, ssm_dtype = self.get_state_dtype()
+        sig = (str(projected.device), projected.dtype, projected.shape[-1], conv_dtype, ssm_dtype, self.num_heads,
+               self.head_dim, self.n_groups, self.state_size, self.conv_kernel, self.chunk_size,
+               self.conv1d.bias is not None, self.dt_limit)
+        if sig in Mamba2Mixer._warm_prefill_signatures:
+            return
+        k = get_kernels(projected.device)
+        dev = projected.device
+        layouts = self._warm_prefill_layouts()
+        num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
+        conv_pool = torch.zeros((num_slots, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
+        ssm_pool = torch.zeros((num_slots, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype,
+                               device=dev)
+        for lengths, resumed in layouts:
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # host bounds, as the builder's
+            T, flags = int(cu[-1]), torch.tensor(resumed)
+            z, xBC, dt = self._split_projection(projected.new_zeros(T, projected.shape[-1]))
+            plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
+            slots = torch.arange(1, len(lengths) + 1, device=dev)
+            y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
+                                   bool(flags.any()), plan, self.chunk_size)
+            self._gated_norm(k, y, z, out=projected.new_empty(T, self.d_inner))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        Mamba2Mixer._warm_prefill_signatures.add(sig)
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile

@@ -833,6 +833,55 @@ def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_
 
 
 # ------------------------------------------------------------------------------------------------------
+# the mixer's start-up warm-up of the prefill kernels
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
+    """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
+    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), one resumed sequence (rerun
+    alone with its initial state), more than SEPARATE_RESUMED_MAX resumed (batched correction); once per layer
+    signature. On "cuda" this compiles and autotunes the real kernels."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
+    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
+                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+    with set_current_vllm_config(VllmConfig()):
+        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warm.mixer")
+    g = gen(90)
+    with torch.no_grad():
+        for _, p in layer.named_parameters():
+            p.copy_(rnd(g, *p.shape, scale=0.1))
+        layer.A.copy_(-torch.rand(H, generator=g) - 0.5)
+    layer = layer.to(kern.dev)
+    for m in (layer.in_proj, layer.conv1d, layer.out_proj, layer.norm):
+        m.to(dtype)
+    monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, F32))
+    monkeypatch.setattr(mixer_mod, "get_kernels", lambda dev: ck)
+    monkeypatch.setattr(mixer_mod.Mamba2Mixer, "_warm_prefill_signatures", set())
+    ns = ck._kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append((x.shape[1], kw.get("initial_states")
+                                                                          is not None)), real(x, *a, **kw))[1])
+    launched = record_conv_launches(monkeypatch)
+    projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
+
+    layer._warm_prefill_kernels(projected)
+    # packed calls of the four layouts, and the one rerun (37 tokens, its own initial state)
+    assert calls == [(2 * cs, False), (cs + 7, False), (cs + 37, False), (37, True), (80, False)]
+    assert len(launched) >= 4
+    layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
+    assert len(calls) == 5
+    monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, BF16))  # another SSM state dtype: warms again
+    layer._warm_prefill_kernels(projected)
+    assert len(calls) == 10
+
+
+# ------------------------------------------------------------------------------------------------------
 # import behaviour (CPU)
 # ------------------------------------------------------------------------------------------------------
 
