@@ -208,14 +208,16 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _warm_prefill_layouts(self):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
         path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
-        sequence is shorter than W-1; one resumed sequence rerun alone; more than ``SEPARATE_RESUMED_MAX``
-        resumed: the batched correction), with token counts that are and are not multiples of 16 (Triton
-        compiles a kernel per divisibility of its integer arguments)."""
+        sequence is shorter than W-1; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more:
+        the batched correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
+        a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
+        On the H200 a 7b-shape run still compiled the rerun's kernels during serving when only a 37-token rerun
+        was warmed (vLLM's JIT monitor; benchmarks/RESULTS.md)."""
         cs, many = self.chunk_size, 4
         return [
             ([cs // 2, cs + cs // 2], [False, False]),
             ([cs + 5, 2], [False, False]),
-            ([37, cs], [True, False]),
+            ([37, 48, 1, cs], [True, True, True, False]),
             ([20] * many, [True] * many),
         ]
 

@@ -871,14 +871,15 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
 
     layer._warm_prefill_kernels(projected)
-    # packed calls of the four layouts, and the one rerun (37 tokens, its own initial state)
-    assert calls == [(2 * cs, False), (cs + 7, False), (cs + 37, False), (37, True), (80, False)]
+    # packed calls of the four layouts, and the reruns of the third (each with its own initial state)
+    assert calls == [(2 * cs, False), (cs + 7, False), (cs + 86, False), (37, True), (48, True), (1, True),
+                     (80, False)]
     assert len(launched) >= 4
     layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
-    assert len(calls) == 5
+    assert len(calls) == 7
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, BF16))  # another SSM state dtype: warms again
     layer._warm_prefill_kernels(projected)
-    assert len(calls) == 10
+    assert len(calls) == 14
 
 
 # ------------------------------------------------------------------------------------------------------
