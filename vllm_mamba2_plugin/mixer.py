@@ -211,8 +211,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         sequence is shorter than W-1; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more:
         the batched correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
         a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
-        On the H200 a 7b-shape run still compiled the rerun's kernels during serving when only a 37-token rerun
-        was warmed (vLLM's JIT monitor; benchmarks/RESULTS.md)."""
+        (On the H200, with only a 37-token rerun warmed, vLLM's JIT monitor still saw four SSD kernels compile
+        during serving of a 7b-shape run: benchmarks/RESULTS.md.)"""
         cs, many = self.chunk_size, 4
         return [
             ([cs // 2, cs + cs // 2], [False, False]),
