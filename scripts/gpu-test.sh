@@ -11,6 +11,10 @@
 # piecewise-graph test 138 s, in-tree test 161 s (vLLM's in-tree kernels autotune ~90 s at start-up).
 # With a carried .gpu/triton-autotune.tgz (4th session): setup 62 s, throughput.py --models 130m --modes graph
 # --impls plugin,intree 289 s, benchmarks/prefill_layer.py --impls plugin,intree (2 layouts) 37-43 s.
+# Sixth session (carried autotune file): setup 46-53 s; throughput.py --models 130m,2.7b --modes eager (both impls)
+# 389 s; --models 7b --modes graph (both) 387 s; --models 7b --modes eager (both) 236 s; tests/kernels -k 'warmup or
+# chunked_prefill_then_decode' 68 s; tests/gpu -k 'kernels_are or (eager_greedy and g1) or chunked or bf16' 142 s.
+# A device call costs ~100 s of the session's device budget beyond its wall time (start-up, transfers).
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
