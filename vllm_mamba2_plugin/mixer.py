@@ -205,7 +205,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
                                 self.norm_group_size, out=out)
 
-    def _warm_prefill_layouts(self):
+    def _warm_prefill_layouts(self, max_rerun: int):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
         path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
         sequence is shorter than W-1; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more:
@@ -213,11 +213,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
         (On the H200, with only a 37-token rerun warmed, vLLM's JIT monitor still saw four SSD kernels compile
         during serving of a 7b-shape run: benchmarks/RESULTS.md.)"""
-        cs, many = self.chunk_size, 4
+        cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
         return [
             ([cs // 2, cs + cs // 2], [False, False]),
             ([cs + 5, 2], [False, False]),
-            ([37, 48, 1, cs], [True, True, True, False]),
+            (reruns + [cs], [True] * len(reruns) + [False]),
             ([20] * many, [True] * many),
         ]
 
@@ -236,7 +236,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             return
         k = get_kernels(projected.device)
         dev = projected.device
-        layouts = self._warm_prefill_layouts()
+        layouts = self._warm_prefill_layouts(k.SEPARATE_RESUMED_MAX)
         num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
         conv_pool = torch.zeros((num_slots, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
         ssm_pool = torch.zeros((num_slots, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype,
