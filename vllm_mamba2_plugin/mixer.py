@@ -141,7 +141,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                                         meta.state_indices_d_i32)
             y_p = self._prefill_step(k, xBC[nd:n_tok], dt[nd:n_tok], conv_state, ssm_state, meta.state_indices_p,
                                      meta.query_start_loc_p, meta.has_initial_state_p, meta.any_initial_state_p,
-                                     meta.prefill_plan, meta.chunk_size)
+                                     meta.prefill_plan)
             if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
                 y = y_p
             else:
@@ -176,7 +176,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
         return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan, chunk_size):
+    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan):
         """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
         sequence starting from its slot's state where has_init says so; final states written back by slot.
         any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read)."""
@@ -193,7 +193,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
         # and returns the final states in the pool's dtype.
         y_p, ssm_final = k.ssd_chunk_scan(
-            x_p, dt, self.A, B_p, C_p, chunk_size, qsl,
+            x_p, dt, self.A, B_p, C_p, self.chunk_size, qsl,
             initial_states=ssm_state.index_select(0, slots) if any_init else None,
             has_initial_state=has_init if any_init else None, D=self.D,
             plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
@@ -204,6 +204,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _gated_norm(self, k, y, z, out=None):
         return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
                                 self.norm_group_size, out=out)
+
+    def _scratch_pools(self, num_slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed (conv, ssm) state pools of ``num_slots`` slots, shaped and typed as vLLM allocates this layer's,
+        for the kernel warm-ups."""
+        return tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=dev)
+                     for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
 
     def _warm_prefill_layouts(self, max_rerun: int):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
@@ -238,9 +244,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dev = projected.device
         layouts = self._warm_prefill_layouts(k.SEPARATE_RESUMED_MAX)
         num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
-        conv_pool = torch.zeros((num_slots, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
-        ssm_pool = torch.zeros((num_slots, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype,
-                               device=dev)
+        conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
         for lengths, resumed in layouts:
             cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # host bounds, as the builder's
             T, flags = int(cu[-1]), torch.tensor(resumed)
@@ -248,7 +252,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
             slots = torch.arange(1, len(lengths) + 1, device=dev)
             y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                                   bool(flags.any()), plan, self.chunk_size)
+                                   bool(flags.any()), plan)
             self._gated_norm(k, y, z, out=projected.new_empty(T, self.d_inner))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -266,9 +270,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         if sig in Mamba2Mixer._warm_decode_signatures:
             return
         k = get_kernels(projected.device)
-        dev, conv_dtype, ssm_dtype = projected.device, *self.get_state_dtype()
-        conv_pool = torch.zeros((17, self.conv_kernel - 1, self.conv_dim), dtype=conv_dtype, device=dev)
-        ssm_pool = torch.zeros((17, self.num_heads, self.head_dim, self.state_size), dtype=ssm_dtype, device=dev)
+        dev = projected.device
+        conv_pool, ssm_pool = self._scratch_pools(17, dev)
         for bs in (1, 2, 3, 16):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
             slots = torch.arange(1, bs + 1, device=dev)

@@ -840,8 +840,8 @@ def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
-    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), one resumed sequence (rerun
-    alone with its initial state), more than SEPARATE_RESUMED_MAX resumed (batched correction); once per layer
+    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), up to SEPARATE_RESUMED_MAX
+    resumed sequences (each rerun alone with its initial state), more (batched correction); once per layer
     signature. On "cuda" this compiles and autotunes the real kernels."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
