@@ -5,8 +5,8 @@
 mamba-ssm's wrapper launches ``_selective_scan_update_kernel`` with (BLOCK_SIZE_M, num_warps) = (4, 4) for
 d_state 128 whatever the batch; vLLM's in-tree copy of the same kernel reads tuned H200 configs
 (vllm/model_executor/layers/mamba/ops/configs/selective_state_update/). This runs the plugin's CUDA
-``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128, bf16 state) at
-batch 1 / 64 / 256 with the upstream launch and with candidate configs, and reports device time per call
+``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128; bf16 state, or
+fp32 with ``--state-dtype float32``, i.e. ``--mamba-ssm-cache-dtype float32`` with bf16 weights) at batch 1 / 64 / 256 with the upstream launch and with candidate configs, and reports device time per call
 (CUDA-graph replay of 20 calls) and achieved state bandwidth (read + write of batch * H * P * N states).
 Every config's output and states are checked against the upstream launch and against the plain-torch
 reference (``kernels.reference.ssm_state_update``) from the same initial pool.
@@ -24,7 +24,7 @@ import torch
 
 SHAPES = {"130m": (24, 1), "2.7b": (80, 1), "7b": (128, 8)}  # heads, groups; head_dim 64, d_state 128
 P, N = 64, 128
-CANDIDATES = [None, (8, 2), (16, 1), (16, 2), (32, 2), (32, 4)]  # None = mamba-ssm's own launch (4, 4)
+CANDIDATES = [None, (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4)]  # None = mamba-ssm's (4, 4)
 
 
 def load_kernels():
@@ -74,18 +74,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="130m,2.7b,7b")
     ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--state-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     from vllm_mamba2_plugin.kernels import cuda, reference
 
     cuda._KERNELS = load_kernels()  # only the state-update entry points are used here
     dev = torch.device("cuda")
+    state_dtype = getattr(torch, args.state_dtype)
     out_f = open(args.out, "a") if args.out else None
     g = torch.Generator(device="cpu").manual_seed(0)
     for shape in args.shapes.split(","):
         H, G = SHAPES[shape]
         for bs in [int(b) for b in args.batches.split(",")]:
             slots = 2 * bs + 1
-            pool0 = (0.5 * torch.randn(slots, H, P, N, generator=g)).to(dev, torch.bfloat16)
+            pool0 = (0.5 * torch.randn(slots, H, P, N, generator=g)).to(dev, state_dtype)
             idx = torch.randperm(slots, generator=g)[:bs].to(dev)
             x = torch.randn(bs, H, P, generator=g).to(dev, torch.bfloat16)
             dt = torch.randn(bs, H, generator=g).to(dev, torch.bfloat16)
@@ -113,8 +115,8 @@ def main() -> None:
                 us = device_time_us(lambda: cuda.ssm_state_update(pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias,
                                                                   dt_softplus=True, launch=cfg))
                 base_us = us if cfg is None else base_us
-                gbs = 2 * bs * H * P * N * 2 / (us * 1e-6) / 1e9
-                row = dict(shape=shape, batch=bs, heads=H, groups=G, config=cfg or "upstream (4, 4)", us=round(us, 2),
+                gbs = 2 * bs * H * P * N * state_dtype.itemsize / (us * 1e-6) / 1e9
+                row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, config=cfg or "upstream (4, 4)", us=round(us, 2),
                            state_GBps=round(gbs), speedup=round(base_us / us, 2), max_abs_diff_vs_upstream=err_up,
                            rel_err_vs_reference=round(err_ref, 5), state_rel_err_vs_reference=round(st_ref, 5),
                            untouched_slots_identical=ok_untouched)

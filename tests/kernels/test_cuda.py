@@ -647,16 +647,18 @@ def test_ssm_state_update_pool(kern, name, with_D, dtypes):
     assert torch.equal(raw[SLOTS, :ssm_off].cpu(), raw_r[SLOTS, :ssm_off].cpu()), "wrote outside the ssm state"
 
 
+@pytest.mark.parametrize("pool_dtype", [BF16, F32], ids=["bf16_state", "f32_state"])
 @pytest.mark.parametrize("H, G", [(24, 1), (80, 1), (128, 8)], ids=["130m", "2.7b", "7b"])
-@pytest.mark.parametrize("launch", [None, (16, 2), (32, 4), (4, 4)], ids=["table", "16x2", "32x4", "4x4"])
-def test_ssm_state_update_launch_configs(kern, H, G, launch):
+@pytest.mark.parametrize("launch", [None, (16, 2), (32, 4), (4, 4), (4, 1)], ids=["table", "16x2", "32x4", "4x4", "4x1"])
+def test_ssm_state_update_launch_configs(kern, H, G, launch, pool_dtype):
     """The plugin's own launches of mamba-ssm's state-update kernel (ssu_launch_config's table, and explicit
-    tiles) on the benchmark shapes, bf16 pool: same results as the plain-torch reference, other slots intact."""
+    tiles) on the benchmark shapes, bf16 and fp32 pools with bf16 inputs: same results as the plain-torch
+    reference, other slots intact."""
     if kern.name == "fake":
         pytest.skip("launches the Triton kernel itself: GPU only")
     P, N, Bsz, slots = 64, 128, 64, 150
     g = gen(63)
-    pool = (0.5 * rnd(g, slots, H, P, N)).to(kern.dev, BF16)
+    pool = (0.5 * rnd(g, slots, H, P, N)).to(kern.dev, pool_dtype)
     pool_r = pool.clone()
     idx = torch.randperm(slots, generator=g)[:Bsz].to(kern.dev)
     x = rnd(g, Bsz, H, P).to(kern.dev, BF16)
@@ -665,12 +667,12 @@ def test_ssm_state_update_launch_configs(kern, H, G, launch):
     A = -torch.exp(torch.rand(H, generator=g) * 2.7).to(kern.dev)
     B, C = rnd(g, Bsz, G, N).to(kern.dev, BF16), rnd(g, Bsz, G, N).to(kern.dev, BF16)
     D = rnd(g, H).to(kern.dev)
-    if launch is None:
-        assert ck.ssu_launch_config(Bsz, H, P, N, BF16) == (16, 2)  # the measured H200 choice applies here
+    if launch is None:  # the table's H200 choice applies here (batch*heads 1536-8192)
+        assert ck.ssu_launch_config(Bsz, H, P, N, pool_dtype) == ((16, 2) if pool_dtype == BF16 else (4, 1))
     y = ck.ssm_state_update(pool, x, dt, A, B, C, idx, D=D, dt_bias=dt_bias, dt_softplus=True, launch=launch)
     y_r = ref.ssm_state_update(pool_r, x, ref.process_dt(dt, dt_bias), A, B, C, idx, D=D)
     assert_close(y, y_r, tol(kern, "ssm", BF16), "y")
-    assert_close(pool[idx], pool_r[idx], tol(kern, "ssm", BF16), "states")
+    assert_close(pool[idx], pool_r[idx], tol(kern, "ssm", pool_dtype), "states")
     rest = torch.ones(slots, dtype=torch.bool, device=kern.dev)
     rest[idx] = False
     assert torch.equal(pool[rest], pool_r[rest]), "slots outside the batch must be untouched"
@@ -678,7 +680,10 @@ def test_ssm_state_update_launch_configs(kern, H, G, launch):
 
 def test_ssu_launch_table_keeps_upstream_for_unmeasured_shapes():
     assert ck.ssu_launch_config(1, 24, 64, 128, BF16) is None  # batch*heads 24: upstream's launch
-    assert ck.ssu_launch_config(64, 24, 64, 128, F32) is None  # fp32 state: not measured
+    assert ck.ssu_launch_config(2, 24, 64, 128, F32) is None  # fp32 state, batch*heads 48: upstream's launch
+    assert ck.ssu_launch_config(64, 24, 64, 128, F32) == (4, 1)  # fp32 state: vLLM's tuned H200 tiles
+    assert ck.ssu_launch_config(256, 80, 64, 128, F32) == (8, 1)
+    assert ck.ssu_launch_config(64, 24, 64, 128, torch.float64) is None  # 8-byte state: no entry
     assert ck.ssu_launch_config(64, 24, 32, 128, BF16) is None  # head_dim 32: not measured
     assert ck.ssu_launch_config(4, 24, 64, 128, torch.float16) == (16, 2)
 

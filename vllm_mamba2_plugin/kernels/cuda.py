@@ -510,8 +510,13 @@ def ssm_state_update(
 # RESULTS.md, 2026-12-02): (16, 2) runs 2.1-3.0x faster from batch*heads >= 1536 (3.6-3.9 TB/s) and 1.3-1.5x at
 # batch 1 with 80-128 heads; at batch*heads = 24 the two are within noise, so small launches keep upstream's.
 # Keyed by (head_dim, d_state, state bytes); shapes not measured keep the upstream launch.
+# fp32 states (--mamba-ssm-cache-dtype float32): the tile of vLLM 0.26's tuned H200 table for its copy of this
+# kernel (configs/selective_state_update/headdim=64,dstate=128,device_name=NVIDIA_H200,cache_dtype=float32.json:
+# BLOCK_SIZE_M 4 with one warp up to batch*heads 8192, 8 with one warp around 12288-24576), simplified to those
+# two; checked against every candidate by benchmarks/ssu_launch.py --state-dtype float32 (RESULTS.md).
 SSU_LAUNCH_TABLE: dict = {
     (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
+    (64, 128, 4): [(64, (4, 1)), (12288, (8, 1))],
 }
 
 
