@@ -6,9 +6,11 @@ mamba-ssm's wrapper launches ``_selective_scan_update_kernel`` with (BLOCK_SIZE_
 d_state 128 whatever the batch; vLLM's in-tree copy of the same kernel reads tuned H200 configs
 (vllm/model_executor/layers/mamba/ops/configs/selective_state_update/). This runs the plugin's CUDA
 ``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128; bf16 state, or
-fp32 with ``--state-dtype float32``, i.e. ``--mamba-ssm-cache-dtype float32`` with bf16 weights) at batch 1 / 64 / 256 with the upstream launch and with candidate configs, and reports device time per call
-(CUDA-graph replay of 20 calls) and achieved state bandwidth (read + write of batch * H * P * N states).
-Every config's output and states are checked against the upstream launch and against the plain-torch
+fp32 with ``--state-dtype float32``, i.e. ``--mamba-ssm-cache-dtype float32`` with bf16 weights) at batch
+1 / 64 / 256 with the plugin's default launch (``ssu_launch_config``: the table's entry, else mamba-ssm's
+wrapper), upstream's (4, 4) tile and other candidates, and reports device time per call (CUDA-graph replay of 20
+calls) and achieved state bandwidth (read + write of batch * H * P * N states). Every config's output and states
+are checked against the default launch and against the plain-torch
 reference (``kernels.reference.ssm_state_update``) from the same initial pool.
 
 Needs only torch, triton and mamba-ssm's Triton files (not vLLM, not causal-conv1d): on the GPU machine
@@ -24,7 +26,9 @@ import torch
 
 SHAPES = {"130m": (24, 1), "2.7b": (80, 1), "7b": (128, 8)}  # heads, groups; head_dim 64, d_state 128
 P, N = 64, 128
-CANDIDATES = [None, (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4)]  # None = mamba-ssm's (4, 4)
+# None = the plugin's default launch for the shape (SSU_LAUNCH_TABLE's entry, else mamba-ssm's wrapper, which
+# launches (4, 4)); (4, 4) is listed explicitly because once the table has an entry, None is no longer upstream's.
+CANDIDATES = [None, (4, 4), (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4)]
 
 
 def load_kernels():
@@ -116,8 +120,11 @@ def main() -> None:
                                                                   dt_softplus=True, launch=cfg))
                 base_us = us if cfg is None else base_us
                 gbs = 2 * bs * H * P * N * state_dtype.itemsize / (us * 1e-6) / 1e9
-                row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, config=cfg or "upstream (4, 4)", us=round(us, 2),
-                           state_GBps=round(gbs), speedup=round(base_us / us, 2), max_abs_diff_vs_upstream=err_up,
+                default = cuda.ssu_launch_config(bs, H, P, N, state_dtype)
+                label = cfg or (f"default: table {default}" if default else "default: upstream wrapper (4, 4)")
+                row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, config=label,
+                           us=round(us, 2), state_GBps=round(gbs), speedup=round(base_us / us, 2),
+                           max_abs_diff_vs_default=err_up,
                            rel_err_vs_reference=round(err_ref, 5), state_rel_err_vs_reference=round(st_ref, 5),
                            untouched_slots_identical=ok_untouched)
                 print(json.dumps(row), flush=True)
