@@ -105,6 +105,8 @@ def main() -> None:
             up_pool = pool0.clone()
             y_up = cuda.ssm_state_update(up_pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True)
             base_us = None
+            default = cuda.ssu_launch_config(bs, H, P, N, state_dtype)
+            default_label = f"default: table {default}" if default else "default: upstream wrapper (4, 4)"
             for cfg in CANDIDATES:
                 pool = pool0.clone()
                 y = cuda.ssm_state_update(pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True,
@@ -120,8 +122,7 @@ def main() -> None:
                                                                   dt_softplus=True, launch=cfg))
                 base_us = us if cfg is None else base_us
                 gbs = 2 * bs * H * P * N * state_dtype.itemsize / (us * 1e-6) / 1e9
-                default = cuda.ssu_launch_config(bs, H, P, N, state_dtype)
-                label = cfg or (f"default: table {default}" if default else "default: upstream wrapper (4, 4)")
+                label = cfg or default_label
                 row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, config=label,
                            us=round(us, 2), state_GBps=round(gbs), speedup=round(base_us / us, 2),
                            max_abs_diff_vs_default=err_up,

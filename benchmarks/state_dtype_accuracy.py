@@ -20,13 +20,17 @@ and at the end the relative error of the state itself. CPU only (plain torch); r
 import argparse
 import datetime
 import math
+import os
+import sys
 
 import torch
 
-from vllm_mamba2_plugin.kernels import reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import throughput  # noqa: E402  (the benchmark shapes: throughput.MODELS)
 
-SHAPES = {"130m": (24, 1), "2.7b": (80, 1), "7b": (128, 8)}  # heads, groups
-P, N = 64, 128
+from vllm_mamba2_plugin.kernels import reference  # noqa: E402
+
+SHAPES = ("130m", "2.7b", "7b")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,13 +39,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="2.7b", choices=list(SHAPES))
+    ap.add_argument("--shape", default="2.7b", choices=SHAPES)
     ap.add_argument("--steps", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--md", default=None, help="append the markdown table here")
     args = ap.parse_args()
-    H, G = SHAPES[args.shape]
+    cfg = throughput.MODELS[args.shape]
+    H, G, P, N = cfg["num_heads"], cfg["n_groups"], cfg["head_dim"], cfg["state_size"]
     Bsz, T = args.batch, args.steps
     g = torch.Generator().manual_seed(args.seed)
     A = -(1 + 15 * torch.rand(H, generator=g))
@@ -70,12 +75,12 @@ def main() -> None:
         h64 = decay[..., None, None] * h64 + (x.double() * d64[..., None])[..., None] * Bh[:, :, None, :]
         y64 = torch.einsum("bhpn,bhn->bhp", h64, Ch) + D.double()[None, :, None] * x.double()
         if t in checkpoints:
-            rows.append((t, rel(ys["bf16"].float(), y64), rel(ys["fp32"].float(), y64)))
+            rows.append((t, rel(ys["bf16"], y64), rel(ys["fp32"], y64)))
             print(f"step {t:5d}: y rel err  bf16 state {rows[-1][1]:.2e}  fp32 state {rows[-1][2]:.2e}", flush=True)
-    st = {name: rel(pool.float(), h64) for name, pool in pools.items()}
+    st = {name: rel(pool, h64) for name, pool in pools.items()}
     print(f"final state rel err: bf16 {st['bf16']:.2e}  fp32 {st['fp32']:.2e}")
 
-    lines = [f"| step | y rel. err., bf16 state | y rel. err., fp32 state |", "|---|---|---|"]
+    lines = ["| step | y rel. err., bf16 state | y rel. err., fp32 state |", "|---|---|---|"]
     lines += [f"| {t} | {b:.2e} | {f:.2e} |" for t, b, f in rows]
     lines += [f"| state after {T} steps | {st['bf16']:.2e} | {st['fp32']:.2e} |"]
     table = "\n".join(lines)
