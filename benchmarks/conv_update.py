@@ -26,12 +26,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ssu_launch import device_time_us  # noqa: E402
 from throughput import MODELS  # noqa: E402
 
 W = 4
 K = W - 1
+
+
+def oldest_first_to_ring(states: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(B, K, D) states, oldest first, before positions ``pos`` -> ring order: the input of position q in row
+    q % K (causal-conv1d's circular-buffer convention, causal_conv1d_interface.py:252-256)."""
+    rows = (pos.long()[:, None] - K + torch.arange(K, device=states.device)[None, :]) % K  # row of the i-th oldest
+    return torch.empty_like(states).scatter_(1, rows[:, :, None].expand(states.shape), states)
 
 
 def main() -> None:
@@ -41,8 +47,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from causal_conv1d import causal_conv1d_update
-
-    from vllm_mamba2_plugin.kernels.reference import oldest_first_to_ring
 
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update as intree_update

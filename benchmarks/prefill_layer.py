@@ -49,7 +49,6 @@ import throughput  # noqa: E402
 from vllm_mamba2_plugin import compat  # noqa: E402
 from vllm_mamba2_plugin.backend import Mamba2PluginMetadataBuilder  # noqa: E402
 from vllm_mamba2_plugin.mixer import Mamba2Mixer  # noqa: E402
-from vllm_mamba2_plugin.kernels import reference  # noqa: E402
 
 CONV_WIDTH = 4
 CHUNK = 256
@@ -218,17 +217,10 @@ def compare(layer, step, runs, dtype, dev):
     against the first implementation's."""
     results = {}
     slots = step["slots"].to(dev)
-    start = step["context"].to(dev)
-    end = start + step["qsl"].diff().to(dev)
     for impl, run in runs.items():
         layer.kv_cache = fresh_pools(step, dtype, dev)
-        conv = layer.kv_cache[0]
-        ring = impl.startswith("plugin")  # the plugin keeps conv states as rings by position (ring_rows)
-        if ring:
-            conv[slots] = reference.oldest_first_to_ring(conv[slots], start)
         out = run().float().clone()
-        conv_fin = reference.ring_to_oldest_first(conv[slots], end) if ring else conv[slots]
-        results[impl] = (out, conv_fin.float(), layer.kv_cache[1][slots].float())
+        results[impl] = (out, layer.kv_cache[0][slots].float(), layer.kv_cache[1][slots].float())
     ref_impl, ref = next(iter(results.items()))
     diffs = {}
     for impl, got in list(results.items())[1:]:

@@ -55,9 +55,6 @@ def test_build_mixed_batch():
     assert meta.has_initial_state_p.tolist() == [False, True, True, False]
     assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
     assert meta.state_indices_d_i32.dtype == torch.int32 and meta.state_indices_d_i32.tolist() == [7, 2]
-    # Token positions (= context lengths): the conv states are rings indexed by them.
-    assert meta.positions_d.dtype == torch.int32 and meta.positions_d.tolist() == [3, 8]
-    assert meta.state_pos_p.tolist() == [0, 2, 12, 0]
     assert meta.prefill_plan is None  # the reference kernels take no plan
     assert meta.any_initial_state_p  # a resumed chunk and a decode-like row among the prefills
 
@@ -82,7 +79,6 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
     meta = b.build(0, cam)
     plan = meta.prefill_plan
     assert plan.cu == [0, 1, 2, 6, 12] and plan.init_flags == [False, True, True, False]
-    assert plan.state_pos == [0, 2, 12, 0]  # ring positions, from the host copies too
     assert plan.T == 12 and plan.nonempty == [0, 1, 2, 3]
     assert plan.seq_idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
     # Continuing sequences 1 (1 token) and 2 (4 tokens): blocks of 4 (the chunk), dummy row 12 as padding.
@@ -121,20 +117,14 @@ def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):
     meta = builder.build(0, _cam([1, 1, 1, 0], [5, 2, 9, 0], [7, 3, 6, 0]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 4, 0)
     assert meta.state_indices_d.tolist() == [7, 3, 6, -1] and meta.state_indices_d_i32.tolist() == [7, 3, 6, -1]
-    assert meta.positions_d.dtype == torch.int32 and meta.positions_d[:3].tolist() == [5, 2, 9]
-    first_ptr, pos_ptr = meta.state_indices_d.data_ptr(), meta.positions_d.data_ptr()
+    first_ptr = meta.state_indices_d.data_ptr()
     meta = builder.build(0, _cam([1, 1], [4, 4], [2, 5]))
     assert meta.state_indices_d.tolist() == [2, 5] and meta.state_indices_d.data_ptr() == first_ptr
-    assert meta.positions_d.tolist() == [4, 4] and meta.positions_d.data_ptr() == pos_ptr
 
 
 def test_capture_metadata_counts_context_free_dummy_rows_as_decodes(full_graphs):
-    cam = _cam([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0])
-    cam.seq_lens = torch.zeros(4, dtype=torch.int32)  # dummy rows may say seq_len 0
-    meta = _builder().build_for_cudagraph_capture(cam)
+    meta = _builder().build_for_cudagraph_capture(_cam([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]))
     assert (meta.num_decodes, meta.num_prefills) == (4, 0)
-    # never negative: causal-conv1d's ring index is a C remainder (a negative one leaves the slot)
-    assert meta.positions_d.tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="exceeds the 4 persistent state slots"):
         _builder().build_for_cudagraph_capture(_cam([1] * 5, [0] * 5, [0] * 5))
 

@@ -74,12 +74,9 @@ class Mamba2PluginMetadata:
     chunk_size: int
     state_indices_d: torch.Tensor  # (num_decodes,) int64, state slot of each decode row
     state_indices_d_i32: torch.Tensor  # the same, int32 (the conv kernel's index type)
-    positions_d: torch.Tensor  # (num_decodes,) int32, each decode row's token position (= its context length):
-    #   the conv states are rings indexed by position (kernels.reference.ring_rows)
     state_indices_p: torch.Tensor  # (num_prefills,) int64, state slot of each prefill row
     query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
     has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
-    state_pos_p: torch.Tensor  # (num_prefills,) int64, position of each prefill row's first token (context length)
     prefill_plan: object = None  # kernels.plan_prefill of the prefill block (CUDA kernels; None otherwise)
     any_initial_state_p: bool = True  # host copy of has_initial_state_p.any(): False lets layers skip state reads
 
@@ -116,7 +113,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
         self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
-        self._no_prefill_pos = torch.zeros(0, dtype=torch.int64, device=device)
         # FULL decode graphs: one persistent slot buffer, as large as the largest captured decode batch.
         self.full_decode_graphs = envs.full_decode_graphs()
         self.decode_graph_max_bs = 0
@@ -128,7 +124,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
                                            device=device)
             self._graph_slots_i32 = torch.full((self.decode_graph_max_bs,), PAD_SLOT, dtype=torch.int32,
                                                device=device)
-            self._graph_pos = torch.zeros((self.decode_graph_max_bs,), dtype=torch.int32, device=device)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
@@ -162,22 +157,21 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
         plan, any_init = None, False
         if num_prefills == 0:
-            qsl_p, has_init_p, pos_p = self._no_prefill_qsl, self._no_prefill_flags, self._no_prefill_pos
+            qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
         else:
             # Derived from the runner's device tensors rather than copied from the host copies: a host-to-
             # device copy from pageable memory synchronises the stream, which would stall the CPU on the
             # previous step's GPU work at every step.
             qsl = cam.query_start_loc[num_decodes: num_reqs + 1]
             qsl_p = (qsl - num_decode_tokens).to(torch.int32)
-            pos_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])).to(torch.int64)
-            has_init_p = pos_p > 0
+            has_init_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
             # The CUDA kernels' index plan for this step, from the host copies (one pinned upload, shared by
             # every layer): the prefill path then needs no host sync.
             has_init_cpu = context_lens[num_decodes:] > 0
             any_init = bool(has_init_cpu.any())
             plan = self.kernels.plan_prefill(
                 qsl_cpu[num_decodes:] - num_decode_tokens, has_init_cpu, num_prefill_tokens,
-                self.chunk_size, self.conv_width, self.device, state_pos_cpu=context_lens[num_decodes:],
+                self.chunk_size, self.conv_width, self.device,
             )
         slots_d = slots[:num_decodes]
         return Mamba2PluginMetadata(
@@ -188,11 +182,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots_d,
             state_indices_d_i32=slots_d.to(torch.int32),
-            positions_d=(cam.seq_lens[:num_decodes] - 1).to(torch.int32),
             state_indices_p=slots[num_decodes:],
             query_start_loc_p=qsl_p,
             has_initial_state_p=has_init_p,
-            state_pos_p=pos_p,
             prefill_plan=plan,
             any_initial_state_p=any_init,
         )
@@ -213,12 +205,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
         slots[num_real:].fill_(PAD_SLOT)
         slots_i32.copy_(slots)
-        # Positions of the real rows; padded rows keep stale ones (their slot is skipped). Clamped because the
-        # capture's dummy rows may carry seq_len 0, and causal-conv1d's ring index is a C remainder (a negative
-        # position would address the row before the slot).
-        pos = self._graph_pos[:num_reqs]
-        torch.sub(cam.seq_lens[:num_real], 1, out=pos[:num_real])
-        pos[:num_real].clamp_(min=0)
         return Mamba2PluginMetadata(
             num_decodes=num_reqs,
             num_decode_tokens=num_reqs,  # padded rows are tokens of the padded batch too
@@ -227,9 +213,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots,
             state_indices_d_i32=slots_i32,
-            positions_d=pos,
             state_indices_p=slots[:0],
             query_start_loc_p=self._no_prefill_qsl,
             has_initial_state_p=self._no_prefill_flags,
-            state_pos_p=self._no_prefill_pos,
         )

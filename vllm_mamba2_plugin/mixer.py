@@ -133,15 +133,15 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
         if meta.num_prefills == 0:  # decode-only step (every FULL-graph step): no staging buffer
             y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
-                                  meta.state_indices_d_i32, meta.positions_d)
+                                  meta.state_indices_d_i32)
         else:
             y_d = None
             if nd > 0:
                 y_d = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
-                                        meta.state_indices_d_i32, meta.positions_d)
+                                        meta.state_indices_d_i32)
             y_p = self._prefill_step(k, xBC[nd:n_tok], dt[nd:n_tok], conv_state, ssm_state, meta.state_indices_p,
                                      meta.query_start_loc_p, meta.has_initial_state_p, meta.any_initial_state_p,
-                                     meta.prefill_plan, meta.state_pos_p)
+                                     meta.prefill_plan)
             if y_d is None:  # prefill-only step: the scan's output is the whole step's (no staging copy)
                 y = y_p
             else:
@@ -164,13 +164,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _conv_weight(self):
         return self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
 
-    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots, slots_i32, positions):
+    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots, slots_i32):
         """One token per row on top of the state in each row's slot: conv update, then SSM update.
         slots / slots_i32: the same slot ids as int64 (SSM kernel: 64-bit pool offsets) and int32 (conv
-        kernel's type), both made once per step by the builder rather than cast here in every layer.
-        positions: (rows,) int32 token positions; the conv states are rings indexed by them (ring_rows)."""
-        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu",
-                            positions=positions)
+        kernel's type), both made once per step by the builder rather than cast here in every layer."""
+        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
         x, B, C = self._split_xbc(xBC)
         if self.dt_limit_is_noop:
             return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
@@ -178,16 +176,15 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
         return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan, state_pos):
+    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan):
         """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
         sequence starting from its slot's state where has_init says so; final states written back by slot.
-        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read). state_pos: each row's
-        first position (the conv states are rings; the plan was built with the same positions)."""
+        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read)."""
         xBC_p, conv_final = k.causal_conv1d(
             xBC, self._conv_weight(), self.conv1d.bias, qsl,
             initial_states=conv_state.index_select(0, slots) if any_init else None,
             has_initial_state=has_init if any_init else None,
-            activation="silu", plan=plan, state_pos=state_pos,
+            activation="silu", plan=plan,
         )
         # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
         # time (prefill steps are host-bound: benchmarks/prefill_layer.py).
@@ -251,12 +248,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         for lengths, resumed in layouts:
             cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # host bounds, as the builder's
             T, flags = int(cu[-1]), torch.tensor(resumed)
-            pos = torch.where(flags, 7, 0)  # resumed rows start mid-ring (position 7: a rotated state)
             z, xBC, dt = self._split_projection(projected.new_zeros(T, projected.shape[-1]))
-            plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev, state_pos_cpu=pos)
+            plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
             slots = torch.arange(1, len(lengths) + 1, device=dev)
             y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                                   bool(flags.any()), plan, pos.to(dev))
+                                   bool(flags.any()), plan)
             self._gated_norm(k, y, z, out=projected.new_empty(T, self.d_inner))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -279,8 +275,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         for bs in (1, 2, 3, 16):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
             slots = torch.arange(1, bs + 1, device=dev)
-            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32),
-                                  slots.to(torch.int32))
+            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
             self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
         torch.cuda.synchronize(dev)
         Mamba2Mixer._warm_decode_signatures.add(sig)

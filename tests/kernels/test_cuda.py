@@ -133,10 +133,8 @@ def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_o
 
 def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                       conv_state_indices=None):
-    """causal_conv1d.causal_conv1d_update, with causal_conv1d.cpp:466-537's checks; with cache_seqlens the state
-    is a circular buffer (causal_conv1d_update.cu:63-94): the token at position p is written to row p % L, the
-    W-1 rows before it are read from (p - (W-1)) mod L on -- C remainders, so a negative position is refused
-    here (the kernel would address rows outside the slot)."""
+    """causal_conv1d.causal_conv1d_update (non-circular), with causal_conv1d.cpp:466-531's checks."""
+    assert cache_seqlens is None
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     batch, dim, seqlen = x3.shape
     width = weight.shape[-1]
@@ -147,23 +145,10 @@ def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_s
     idx = conv_state_indices
     assert idx is not None and idx.dtype == torch.int32 and idx.stride(0) == 1 and idx.shape == (batch,)
     assert conv_state.shape[1:] == (dim, L)
-    if cache_seqlens is not None:
-        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.stride(-1) == 1
-        assert cache_seqlens.shape == (batch,)
-        assert seqlen == 1  # all the plugin uses
     out = torch.empty_like(x3)
     for b, c in enumerate(idx.tolist()):
         if c < 0:
             out[b] = 0
-            continue
-        if cache_seqlens is not None:
-            p = int(cache_seqlens[b])
-            assert p >= 0, "negative position: the kernel would read outside the slot"
-            rows = [(p - (width - 1) + i) % L for i in range(width - 1)]
-            w = torch.cat([conv_state[c][:, rows], x3[b]], dim=-1).float()  # (dim, width), oldest first
-            v = (w * weight.float()).sum(-1) + (0 if bias is None else bias.float())
-            out[b] = (F.silu(v) if activation in ("silu", "swish") else v).to(x.dtype)[:, None]
-            conv_state[c][:, p % L] = x3[b][:, 0]
             continue
         win = torch.cat([conv_state[c], x3[b]], dim=-1)  # (dim, L + seqlen)
         ys = []
@@ -486,14 +471,9 @@ def test_causal_conv1d_varlen(kern, dims, width, dtype):
     init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, dtype)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
     plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
-    # Ring states (the mixer's layout): sequences starting at positions that are and are not multiples of K.
-    pos = torch.tensor([5, 0, 7, 3, 0])
-    ring_plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev, state_pos_cpu=pos)
-    for bias, act, p, sp in ((b, "silu", None, None), (None, None, None, None), (b, "silu", plan, None),
-                             (b, "silu", None, pos), (b, "silu", ring_plan, pos)):
-        sp = None if sp is None else sp.to(kern.dev)
-        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act, plan=p, state_pos=sp)
-        out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act, state_pos=sp)
+    for bias, act, p in ((b, "silu", None), (None, None, None), (b, "silu", plan)):
+        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act, plan=p)
+        out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
         assert out.dtype == dtype and fin.dtype == dtype
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
@@ -534,8 +514,7 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("dims", list(CONV_DIMS))
-@pytest.mark.parametrize("layout", ["oldest-first", "ring"])
-def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeypatch, layout):
+def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeypatch):
     """Some sequences resume a saved state, every sequence has >= W-1 tokens. "rerun": x is convolved in place
     as if all were fresh, then each resumed sequence's first W-1 outputs are recomputed from its state (one
     small launch each); "correction": the extended buffer. Both against the reference; unflagged states hold
@@ -552,12 +531,10 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
     init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
     launched = record_conv_launches(monkeypatch)
-    pos = None if layout == "oldest-first" else torch.tensor([4, 0, 9, 2])  # ring rotations 1, -, 0, 2
-    pos_d = None if pos is None else pos.to(kern.dev)
-    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu", state_pos=pos_d)
-    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev, state_pos_cpu=pos)):
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
+    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
         launched.clear()
-        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p, state_pos=pos_d)
+        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
         assert_close(out, out_r, tol(kern, "conv", dtype), "out")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
         if resume_path.name == "rerun":
@@ -611,12 +588,9 @@ SLOTS = [7, 2, 11, 5, 14, 1]  # scattered, unsorted
 
 @pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (BF16, F32)],
                          ids=["f32", "bf16", "bf16-x-f32-pool"])
-@pytest.mark.parametrize("layout", ["shift", "ring"])
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("dims", list(CONV_DIMS))
-def test_conv_update_pool(kern, dims, width, dtypes, layout):
-    """"shift": oldest-first states shifted in place; "ring": positions given (what the mixer passes), the
-    kernel's circular-buffer mode; positions include 0 and multiples and non-multiples of W-1."""
+def test_conv_update_pool(kern, dims, width, dtypes):
     if dims == "real" and kern.name == "fake":
         pytest.skip("realistic shapes only on the GPU")
     x_dtype, pool_dtype = dtypes
@@ -630,10 +604,9 @@ def test_conv_update_pool(kern, dims, width, dtypes, layout):
     x = proj[:, 3:3 + Dm]
     w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, x_dtype), rnd(g, Dm, scale=0.1).to(kern.dev, x_dtype)
     idx = torch.tensor(SLOTS, dtype=torch.int64, device=kern.dev)
-    pos = None if layout == "shift" else torch.tensor([0, 1, 2, 3, 7, 1000], dtype=torch.int32, device=kern.dev)
     for step in range(2):  # two steps: the second reads what the first wrote
-        y = ck.conv_update(x, conv, w, b, idx, activation="silu", positions=pos)
-        y_r = ref.conv_update(x, conv_r, w, b, idx, activation="silu", positions=pos)
+        y = ck.conv_update(x, conv, w, b, idx, activation="silu")
+        y_r = ref.conv_update(x, conv_r, w, b, idx, activation="silu")
         assert y.dtype == x_dtype
         assert_close(y, y_r, tol(kern, "conv", x_dtype), f"out step {step}")
         if x_dtype == pool_dtype:
@@ -641,7 +614,6 @@ def test_conv_update_pool(kern, dims, width, dtypes, layout):
         else:
             assert_close(conv[idx], conv_r[idx], 1e-6, "conv states")
         x = x.flip(0)
-        pos = None if pos is None else pos + 1
     untouched = [s for s in range(16) if s not in SLOTS]
     assert torch.equal(raw[untouched].cpu(), raw_r[untouched].cpu()), "untouched slots must be bit-identical"
     assert torch.equal(raw[SLOTS, conv_bytes:].cpu(), raw_r[SLOTS, conv_bytes:].cpu()), "wrote past conv state"
@@ -813,10 +785,9 @@ def test_gated_rms_norm(kern, d_inner, n_groups, dtype):
 # ------------------------------------------------------------------------------------------------------
 
 
-def _mix(k, xBC, cu, conv_pool, ssm_pool, slots, has_init, w, b, dt, A, D, c, Dx, state_pos=None):
+def _mix(k, xBC, cu, conv_pool, ssm_pool, slots, has_init, w, b, dt, A, D, c, Dx):
     """The conv -> SSD part of the mixer for a prefill batch, on kernel module k (cuda or reference)."""
-    out, conv_fin = k.causal_conv1d(xBC, w, b, cu, conv_pool[slots], has_init, activation="silu",
-                                    state_pos=state_pos)
+    out, conv_fin = k.causal_conv1d(xBC, w, b, cu, conv_pool[slots], has_init, activation="silu")
     conv_pool[slots] = conv_fin.to(conv_pool.dtype)
     x, B, C = torch.split(out, [Dx, c.G * c.N, c.G * c.N], dim=-1)
     y, fin = k.ssd_chunk_scan(x.reshape(-1, c.H, c.P), dt, A, B.reshape(-1, c.G, c.N), C.reshape(-1, c.G, c.N),
@@ -827,10 +798,7 @@ def _mix(k, xBC, cu, conv_pool, ssm_pool, slots, has_init, w, b, dt, A, D, c, Dx
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
-@pytest.mark.parametrize("layout", ["oldest-first", "ring"])
-def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_path, layout):
-    """"ring": conv states kept as rings by token position, as the mixer keeps them (the first chunk starts at
-    0, the second at its cut, the decode steps at their positions); the oracle pass needs no state at all."""
+def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_path):
     c = case(kern, name)
     W, Dx = 4, c.H * c.P
     Dm = Dx + 2 * c.G * c.N
@@ -858,14 +826,11 @@ def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_
         base = [st + (0 if not has else a) for st, a in zip(starts, cut)]
         tok = torch.cat([torch.arange(s0, s0 + n) for s0, n in zip(base, plens)]).to(kern.dev)
         hi = torch.full((3,), bool(has), device=kern.dev)
-        sp = None if layout == "oldest-first" else torch.tensor([a if has else 0 for a in cut], device=kern.dev)
         y[tok] = _mix(ck, xBC[tok], cu_of(plens, kern.dev), conv_pool, ssm_pool, slots, hi, w, b, dt[tok],
-                      A, D, c, Dx, state_pos=sp)
+                      A, D, c, Dx)
     for step in (2, 1):  # decode: the last two tokens of each sequence
         tok = torch.tensor([st + L - step for st, L in zip(starts, lens)], device=kern.dev)
-        pos = None if layout == "oldest-first" else torch.tensor([L - step for L in lens], dtype=torch.int32,
-                                                                 device=kern.dev)
-        xc = ck.conv_update(xBC[tok], conv_pool, w, b, slots, activation="silu", positions=pos)
+        xc = ck.conv_update(xBC[tok], conv_pool, w, b, slots, activation="silu")
         xs, Bs, Cs = torch.split(xc, [Dx, c.G * c.N, c.G * c.N], dim=-1)
         y[tok] = ck.ssm_state_update(ssm_pool, xs.reshape(-1, c.H, c.P), dt[tok], A, Bs.reshape(-1, c.G, c.N),
                                      Cs.reshape(-1, c.G, c.N), slots, D=D)

@@ -304,54 +304,6 @@ def test_conv_update_scattered_slots(width):
         assert torch.equal(pool[others], untouched)
 
 
-def ring_of(states, positions):
-    """The ring layout written out as loops, independently of reference.ring_rows: of the K inputs before
-    position p (positions p-K .. p-1, oldest first in ``states``), position q goes to row q % K."""
-    out = torch.empty_like(states)
-    K = states.shape[1]
-    for s, p in enumerate(positions):
-        for i in range(K):
-            out[s, (p - K + i) % K] = states[s, i]
-    return out
-
-
-@pytest.mark.parametrize("width", [2, 3, 4])
-def test_ring_states_chunked_prefill_then_decode(width):
-    """Ring conv states (positions given, the mixer's layout) through one pool: a fresh first chunk, a resumed
-    second chunk (some chunks shorter than W-1), then decode steps of varying batches. Outputs == the oracle over
-    whole sequences; the pool holds the oracle's last inputs in ring order after every phase."""
-    torch.manual_seed(3100 + width)
-    Dm, K = 6, width - 1
-    lens = [4, 6, 11, 14]
-    chunks = [[1, 2, 4, 5], [1, 2, 3, 6]]  # then decode the rest one token at a time
-    u = torch.randn(sum(lens), Dm)
-    w, b = torch.randn(Dm, width), torch.randn(Dm)
-    out_ref, _ = oracle_conv(u, w, b, lens)
-    starts = [0] + torch.tensor(lens).cumsum(0).tolist()[:-1]
-    slots = torch.tensor([5, 1, 7, 3])
-    pool = torch.full((9, K, Dm), float("nan"))
-    out = torch.full_like(u, float("nan"))
-    done = [0] * 4
-    for c, clens in enumerate(chunks):
-        tok = torch.cat([torch.arange(st + d, st + d + n) for st, d, n in zip(starts, done, clens)])
-        has = torch.tensor([c > 0] * 4)
-        o, fin = causal_conv1d(u[tok], w, b, cu_of(clens), pool[slots], has, state_pos=torch.tensor(done))
-        out[tok] = o
-        pool[slots] = fin
-        done = [d + n for d, n in zip(done, clens)]
-        _, f_ref = oracle_conv(u[torch.cat([torch.arange(st, st + d) for st, d in zip(starts, done)])], w, b, done)
-        assert_close(pool[slots], ring_of(f_ref, done))
-    while any(d < L for d, L in zip(done, lens)):
-        rows = [r for r in range(4) if done[r] < lens[r]]
-        tok = torch.tensor([starts[r] + done[r] for r in rows])
-        out[tok] = conv_update(u[tok], pool, w, b, slots[rows], positions=torch.tensor([done[r] for r in rows]))
-        for r in rows:
-            done[r] += 1
-    assert_close(out, out_ref)
-    _, f_ref = oracle_conv(u, w, b, lens)
-    assert_close(pool[slots], ring_of(f_ref, lens))
-
-
 # ------------------------------------------------------------------------------------------------------
 # ssm_state_update
 # ------------------------------------------------------------------------------------------------------

@@ -38,10 +38,9 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   (causal_conv1d_interface.py:27-30). No host sync.
   Why the direct calls: a prefill step is host-bound (benchmarks/prefill_layer.py on the H200: ~1.9 ms of
   host time per layer against ~0.65 ms of GPU time before this), so every wrapper layer and glue op counts.
-* ``conv_update``: ONE ``causal_conv1d_update(..., cache_seqlens=positions, conv_state_indices=int32)`` on the
-  pool's transposed view (slots, D, K) (strides (slot, 1, D)); the C++ checks only shapes/dtypes, strides are
-  free (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57). With positions (what the mixer passes) the
-  states are rings (reference.ring_rows): one row written per step instead of K shifted.
+* ``conv_update``: ONE ``causal_conv1d_update(..., conv_state_indices=int32)`` on the pool's transposed view
+  (slots, D, K) (strides (slot, 1, D)); the C++ checks only shapes/dtypes, strides are free
+  (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
 * ``ssm_state_update``: ONE ``selective_state_update(..., state_batch_indices=int64)`` in the multi-head
   form with dt/A/dt_bias/D broadcast by stride-0 ``expand`` (takes the kernel's TIE_HDIM scalar path).
 * ``gated_rms_norm``: ``_layer_norm_fwd(group_size=..., norm_before_gate=False, is_rms_norm=True)`` (what
@@ -144,13 +143,10 @@ def plan_prefill(
     chunk_size: int,
     conv_width: int,
     device: torch.device,
-    state_pos_cpu: Optional[torch.Tensor] = None,
 ) -> VarlenPlan:
     """The index plan of one step's prefill block, shared by every layer (see ``varlen_plan``): pass host
-    tensors; the result lives on ``device`` after one non-blocking copy. The reference kernels need none.
-    state_pos_cpu: each sequence's first position when the conv states are rings (``causal_conv1d``)."""
-    return build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device,
-                      state_pos=state_pos_cpu)
+    tensors; the result lives on ``device`` after one non-blocking copy. The reference kernels need none."""
+    return build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device)
 
 
 def _add_initial_state(
@@ -316,15 +312,11 @@ def causal_conv1d(
     has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
     plan: Optional[VarlenPlan] = None,
-    state_pos: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a packed varlen batch (contract: reference.causal_conv1d).
 
     x: (T, D)  weight: (D, W)  bias: (D,) or None  cu_seqlens: (S+1,) starting at 0
     initial_states: (S, W-1, D) or None ("SD" layout)  has_initial_state: (S,) bool or None
-    state_pos: (S,) or None: given, initial and final states are rings (reference.ring_rows); the plan must then
-    have been built with the same positions (``plan_prefill(..., state_pos_cpu=)``), which turns the rotation
-    into a permutation of the gather / scatter rows below: no extra launch.
     returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype.
 
     Two layouts, both ONE causal-conv1d launch with seq_idx (channel-last kernel):
@@ -351,19 +343,15 @@ def causal_conv1d(
     if reason is not None:
         _fallback(reason)
         return reference.causal_conv1d(x, weight, bias, cu_seqlens, initial_states, has_initial_state,
-                                       activation, state_pos=state_pos)
+                                       activation)
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     k = _kernels()
     dev = x.device
     if plan is None:
-        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, 1, (W,), dev,
-                          state_pos=state_pos)
+        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, 1, (W,), dev)
     elif plan.T != T:
         raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
-    elif (plan.state_pos is None) != (state_pos is None):
-        raise ValueError("state_pos given to causal_conv1d but not to plan_prefill, or the other way round: "
-                         "the plan's conv rows are in the wrong state order")
     S = plan.S
     if S <= 0:
         return x.new_zeros(T, Dm), x.new_zeros(0, K, Dm)
@@ -384,13 +372,9 @@ def causal_conv1d(
             # here): recompute those K rows from the state, through the kernel's initial_states (one sequence,
             # no seq_idx: the form the kernel supports, causal_conv1d.cpp:211-223).
             a = plan.cu[s]
-            init_s = initial_states[s]
-            if plan.state_pos is not None and plan.state_pos[s] % K:  # ring -> oldest first (ring_rows)
-                init_s = init_s.roll(-(plan.state_pos[s] % K), 0)
-            init_s = init_s.to(x.dtype).t().unsqueeze(0)  # (1, D, K), unit channel stride
+            init_s = initial_states[s].to(x.dtype).t().unsqueeze(0)  # (1, D, K), unit channel stride
             y[a: a + K] = _conv_fwd(k, x[a: a + K].t().unsqueeze(0), weight, bias, None, silu, init_s)[0].t()
-        # Final states: each sequence's last K inputs (>= K tokens each, so never the saved state), in state row
-        # order (ConvPlan).
+        # Final states: each sequence's last K inputs (>= K tokens each, so never the saved state).
         return y, x.index_select(0, cp.last_row).view(S, K, Dm)
 
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
@@ -430,18 +414,11 @@ def conv_update(
     bias: Optional[torch.Tensor],
     state_indices: torch.Tensor,
     activation: Optional[str] = "silu",
-    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decode step, updating the pool in place (contract: reference.conv_update).
 
     x: (B, D)  conv_states: (num_slots, W-1, D) pool (any slot stride, inner dims contiguous)
-    weight: (D, W)  bias: (D,) or None  state_indices: (B,) int  positions: (B,) int or None (ring states)
-    returns (B, D) in x.dtype.
-
-    With positions the kernel runs in its circular-buffer mode (``cache_seqlens``, causal_conv1d_update.cu:75-94):
-    it loads the K state rows independently and stores only the new input, where the shifting mode chains a
-    load and a store per row (the compiler cannot reorder them: the pointers may alias). benchmarks/conv_update.py
-    times both.
+    weight: (D, W)  bias: (D,) or None  state_indices: (B,) int  returns (B, D) in x.dtype.
     """
     Bsz, Dm = x.shape
     W = weight.shape[-1]
@@ -455,7 +432,7 @@ def conv_update(
         reason = "the conv state pool spans >= 2^32 elements (causal-conv1d uses 32-bit offsets)"
     if reason is not None:
         _fallback(reason)
-        return reference.conv_update(x, conv_states, weight, bias, state_indices, activation, positions=positions)
+        return reference.conv_update(x, conv_states, weight, bias, state_indices, activation)
     if Bsz == 0:
         return x.new_empty(0, Dm)
     k = _kernels()
@@ -465,11 +442,9 @@ def conv_update(
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:500
     # conv_state dtype must equal x dtype (causal_conv1d.cpp:479): store x in the pool's dtype.
     xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)
-    # int32, last stride 1 (causal_conv1d.cpp:531-537); the builder hands int32 already.
-    seqlens = None if positions is None else positions.to(device=conv_states.device, dtype=torch.int32).contiguous()
     out = k.causal_conv1d_update(
-        xs, conv_states.transpose(-1, -2), weight, bias, activation, cache_seqlens=seqlens, conv_state_indices=idx
-    )  # pool view (slots, D, W-1), updated in place: shifted left by one and x appended, or x at its ring row
+        xs, conv_states.transpose(-1, -2), weight, bias, activation, conv_state_indices=idx
+    )  # pool view (slots, D, W-1); the kernel shifts it left by one and appends x, in place
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

@@ -21,12 +21,7 @@ a masked (causal) "attention" whose mask is the 1-semiseparable decay matrix L =
 The chunked algorithm computes that quadratic form inside chunks and passes states between chunks.
 
 State layouts match what vLLM allocates per slot (see DESIGN.md §3):
-    conv state (W-1, D)  -- the last K = W-1 inputs, channel innermost ("SD" layout), in one of two orders:
-                            oldest first (the default), or a ring when the caller passes positions: the input
-                            of the token at position p (0-based, counted from the request's first token) lives
-                            in row p % K. The plugin keeps its pools as rings: a decode step then writes one row
-                            instead of shifting all K (causal-conv1d's ``cache_seqlens`` mode; see
-                            ``ring_rows`` and benchmarks/conv_update.py)
+    conv state (W-1, D)  -- the last W-1 inputs, oldest first, channel innermost ("SD" layout)
     ssm state  (H, P, N)
 """
 
@@ -39,9 +34,6 @@ import torch.nn.functional as F
 
 __all__ = [
     "segsum",
-    "ring_rows",
-    "ring_to_oldest_first",
-    "oldest_first_to_ring",
     "plan_prefill",
     "ssd_chunk_scan",
     "causal_conv1d",
@@ -75,28 +67,6 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, float("-inf"))
 
 
-def ring_rows(positions: torch.Tensor, K: int) -> torch.Tensor:
-    """(n,) positions -> (n, K) long: the ring row holding the i-th oldest of the K inputs before each position.
-
-    The K inputs before position p are those of positions p-K .. p-1, and position q lives in row q % K, so
-    row(i) = (p - K + i) % K = (p + i) % K. A permutation of 0..K-1 for every p (the identity when K divides p).
-    """
-    pos = positions.to(torch.long).reshape(-1, 1)
-    return (pos + torch.arange(K, device=pos.device)) % K
-
-
-def ring_to_oldest_first(ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(n, K, D) ring-ordered states before ``positions`` -> the same states oldest first."""
-    rows = ring_rows(positions.to(ring.device), ring.shape[1])
-    return torch.gather(ring, 1, rows[:, :, None].expand(ring.shape))
-
-
-def oldest_first_to_ring(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(n, K, D) oldest-first states before ``positions`` -> ring order (inverse of ``ring_to_oldest_first``)."""
-    rows = ring_rows(positions.to(states.device), states.shape[1])
-    return torch.empty_like(states).scatter_(1, rows[:, :, None].expand(states.shape), states)
-
-
 def _seq_lens(cu_seqlens: torch.Tensor) -> list:
     # The one host sync we cannot avoid: chunk counts and gather indices are shape decisions.
     cu = cu_seqlens.tolist()
@@ -105,8 +75,7 @@ def _seq_lens(cu_seqlens: torch.Tensor) -> list:
     return cu
 
 
-def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device,
-                 state_pos_cpu=None):
+def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device):
     """The reference kernels work from cu_seqlens directly: no per-step plan (see cuda.plan_prefill)."""
     return None
 
@@ -305,7 +274,6 @@ def causal_conv1d(
     has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
     plan: object = None,
-    state_pos: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over a packed varlen batch.
 
@@ -317,9 +285,6 @@ def causal_conv1d(
     returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype: the last W-1 inputs of each
       sequence, including initial-state entries when the sequence is shorter than W-1 (zeros if no initial
       state). Tokens outside [cu_seqlens[0], cu_seqlens[-1]) get out = 0.
-    state_pos: (S,) int or None -- the position of each sequence's first token (its request's context length).
-      Given, initial_states and final_states are rings (row j holds the input of the position p with
-      p % (W-1) == j, see ``ring_rows``); None: both oldest first.
 
     out_t = act(bias + sum_{k=0..W-1} weight[:, k] * u_{t-(W-1)+k}), where u is the sequence preceded by its
     W-1 state inputs; weight[:, W-1] multiplies the current token (causal-conv1d / nn.Conv1d convention).
@@ -342,13 +307,8 @@ def causal_conv1d(
         raise ValueError(f"cu_seqlens ends at {T_used} but x has only {T} tokens")
 
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), f32, dev)  # (S, K, D)
-    if state_pos is not None:
-        state_pos = state_pos.to(device=dev, dtype=torch.long).reshape(-1)
-        if state_pos.numel() != S:
-            raise ValueError(f"state_pos has {state_pos.numel()} entries for {S} sequences")
-        init = ring_to_oldest_first(init, state_pos)
     if T_used == 0:  # nothing to convolve: every final state is its (selected) initial state
-        return x.new_zeros(T, Dm), (init if state_pos is None else oldest_first_to_ring(init, state_pos)).to(x.dtype)
+        return x.new_zeros(T, Dm), init.to(x.dtype)
 
     lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], dtype=torch.long, device=dev)
     seq_of_tok = torch.repeat_interleave(torch.arange(S, device=dev), lens)  # (T_used,)
@@ -377,10 +337,8 @@ def causal_conv1d(
     # Final state: the last K rows of each [state_s, seq_s] block (which reach into state_s when len < K).
     end_row = torch.tensor(cu[1:], dtype=torch.long, device=dev) + (torch.arange(S, device=dev) + 1) * K
     final_rows = end_row[:, None] - K + torch.arange(K, device=dev)[None, :]  # (S, K)
-    final_states = ext[final_rows.reshape(-1)].view(S, K, Dm)
-    if state_pos is not None:  # the last K inputs are those before each sequence's end position
-        final_states = oldest_first_to_ring(final_states, state_pos + lens)
-    return out, final_states.to(x.dtype)
+    final_states = ext[final_rows.reshape(-1)].view(S, K, Dm).to(x.dtype)
+    return out, final_states
 
 
 def conv_update(
@@ -390,7 +348,6 @@ def conv_update(
     bias: Optional[torch.Tensor],
     state_indices: torch.Tensor,
     activation: Optional[str] = "silu",
-    positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decode step for a batch of requests, updating the state pool in place.
 
@@ -398,25 +355,17 @@ def conv_update(
     weight: (D, W)  bias: (D,) or None
     state_indices: (B,) int64 slot per row: distinct slots, or a negative id for a padding row (see
       ``_padding``). Returns out (B, D) in x.dtype; padding rows give 0.
-    positions: (B,) int or None -- each row's token position (its request's context length). Given, the
-      states are rings (``ring_rows``): the token's input is written to row position % (W-1), nothing else
-      moves (causal-conv1d's ``cache_seqlens``). None: the states are oldest first and shift left by one.
     """
     idx, real = _padding(state_indices, conv_states.device)
     f32 = torch.float32
     state = conv_states[idx].to(f32)  # (B, W-1, D), a gathered copy
-    if positions is not None:
-        pos = positions.to(device=conv_states.device, dtype=torch.long).reshape(-1)
-        state = ring_to_oldest_first(state, pos)
     window = torch.cat([state, x.to(f32)[:, None, :]], dim=1)  # (B, W, D), oldest first
     y = torch.einsum("bwd,dw->bd", window, weight.to(f32))
     if bias is not None:
         y = y + bias.to(f32)
     y = torch.where(real[:, None], _activate(y, activation), 0.0)  # 0, not 0 * garbage
-    if positions is not None:  # the ring's row position % K held the oldest input: the new one replaces it
-        conv_states[idx, pos % conv_states.shape[1]] = x.to(conv_states.dtype)
-    else:  # shift left by one: drop the oldest input, append the current one
-        conv_states[idx] = window[:, 1:].to(conv_states.dtype)
+    # Shift left by one: drop the oldest input, append the current one.
+    conv_states[idx] = window[:, 1:].to(conv_states.dtype)
     return y.to(x.dtype)
 
 

@@ -28,15 +28,12 @@ class ConvPlan:
     K: int
     E: int
     tok_row: torch.Tensor  # (T,) long: row of each token in the extended buffer
-    state_row: torch.Tensor  # (S*K,) long: rows of each sequence's K initial-state inputs (in state row order)
+    state_row: torch.Tensor  # (S*K,) long: rows of each sequence's K initial-state inputs
     seq_idx: torch.Tensor  # (E,) int32: sequence id of every row, -1 for padding tokens
-    final_row: torch.Tensor  # (S*K,) long: the last K rows of each [init_s, seq_s] block (in state row order)
+    final_row: torch.Tensor  # (S*K,) long: the last K rows of each [init_s, seq_s] block
     # The in-place layout of fresh prompts (x read directly, no extended buffer):
     in_place: bool  # host: cu[0] == 0, cu[S] == T (no padding) and every sequence has >= K tokens
     last_row: torch.Tensor  # (S*K,) long: the last K tokens of each sequence in x (valid when in_place)
-    # "In state row order": row j of a conv state is the j-th oldest input, or with ring positions
-    # (``VarlenPlan.state_pos``) the input of the position p with p % K == j (reference.ring_rows), so that
-    # gathering / scattering these rows reads / writes the states in the pool's own order at no extra cost.
 
 
 @dataclass
@@ -60,7 +57,6 @@ class VarlenPlan:
     init_flags: List[bool]  # (S) does sequence s start from a saved state
     T: int  # tokens in x (>= cu[S])
     nonempty: List[int]  # the S' non-empty sequences
-    state_pos: Optional[List[int]]  # (S) position of each sequence's first token: conv states are rings; or None
     # device
     cu_k: torch.Tensor  # (S'+1,) int32 bounds of the non-empty sequences, relative to cu[0]
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
@@ -102,14 +98,12 @@ def build_plan(
     chunk_size: int,
     conv_widths: tuple = (),
     device: torch.device = torch.device("cpu"),
-    state_pos: Optional[torch.Tensor] = None,
 ) -> VarlenPlan:
     """Plan of one packed batch.
 
     cu_seqlens: (S+1,) int; has_initial_state: (S,) bool or None (None: all True when have_initial_states);
     num_tokens: T, the tokens of x; chunk_size: the SSD chunk (correction blocks are at most this long);
     conv_widths: the conv widths W to lay out for ``causal_conv1d`` (usually one).
-    state_pos: (S,) int or None: each sequence's first position, when the conv states are rings (see ConvPlan).
     Pass CPU tensors: device tensors work but cost a sync (``.tolist()``).
     """
     cu = [int(v) for v in cu_seqlens.tolist()]
@@ -127,11 +121,6 @@ def build_plan(
         if len(flags) != S:
             raise ValueError(f"has_initial_state has {len(flags)} entries for {S} sequences")
 
-    pos = None
-    if state_pos is not None:
-        pos = [int(v) for v in state_pos.reshape(-1).tolist()]
-        if len(pos) != S:
-            raise ValueError(f"state_pos has {len(pos)} entries for {S} sequences")
     lo = cu[0] if S > 0 else 0
     ne = [s for s in range(S) if cu[s + 1] > cu[s]]
     cu_k = [0] + [cu[s + 1] - lo for s in ne]
@@ -166,12 +155,12 @@ def build_plan(
     in_place = {}
     for W in conv_widths:
         K = W - 1
-        host.update({f"c{K}_{k}": v for k, v in _conv_host(cu, num_tokens, K, pos).items()})
+        host.update({f"c{K}_{k}": v for k, v in _conv_host(cu, num_tokens, K).items()})
         in_place[K] = S > 0 and cu[0] == 0 and cu[-1] == num_tokens and min(b - a for a, b in zip(cu, cu[1:])) >= K
 
     dev = _upload(host, device)
     plan = VarlenPlan(
-        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, state_pos=pos,
+        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne,
         cu_k=dev["cu_k"].to(torch.int32), seq_idx=dev["seq_idx"].to(torch.int32), nonempty_dev=dev["nonempty"],
     )
     if init_pos:
@@ -189,31 +178,22 @@ def build_plan(
     return plan
 
 
-def _conv_host(cu: List[int], T: int, K: int, pos: Optional[List[int]] = None) -> Dict[str, torch.Tensor]:
+def _conv_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     """Rows of the extended buffer [init_0, seq_0, init_1, seq_1, ...] (cu must start at 0):
-    row(init_s[i]) = cu[s] + s*K + i; row(token t of seq s) = t + (s+1)*K; padding token t >= cu[S] -> t + S*K,
-    where init_s[i] is the i-th oldest state input. With ring positions (pos), state row j holds the input of the
-    position q = j (mod K) among the K before the sequence's start (initial) or end (final): the i-th oldest with
-    i = (j - start) % K, resp. (j - end) % K; without, i = j."""
+    row(init_s[j]) = cu[s] + s*K + j; row(token t of seq s) = t + (s+1)*K; padding token t >= cu[S] -> t + S*K."""
     S = len(cu) - 1
     cu_t = torch.tensor(cu, dtype=torch.long)
     t = torch.arange(T)
     seq_of_tok = torch.searchsorted(cu_t[1:], t, right=True)  # (T,) in [0, S]; S = past the last sequence
     tok_row = t + torch.clamp(seq_of_tok + 1, max=S) * K
     s_ar = torch.arange(S)
-    j = torch.arange(K)[None, :]
-    if pos is None:
-        i_init = i_final = j.expand(S, K)
-    else:
-        start = torch.tensor(pos, dtype=torch.long)[:, None]
-        i_init, i_final = (j - start) % K, (j - start - cu_t.diff()[:, None]) % K
-    state_row = ((cu_t[:-1] + s_ar * K)[:, None] + i_init).reshape(-1)
+    state_row = ((cu_t[:-1] + s_ar * K)[:, None] + torch.arange(K)[None, :]).reshape(-1)
     seq_idx = torch.empty(T + S * K, dtype=torch.long)
     seq_idx[tok_row] = torch.where(seq_of_tok < S, seq_of_tok, torch.full_like(seq_of_tok, -1))
     seq_idx[state_row] = s_ar.repeat_interleave(K)
     end_row = cu_t[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
-    final_row = (end_row[:, None] - K + i_final).reshape(-1)
-    last_row = (cu_t[1:, None] - K + i_final).clamp(min=0).reshape(-1)
+    final_row = (end_row[:, None] - K + torch.arange(K)[None, :]).reshape(-1)
+    last_row = (cu_t[1:, None] - K + torch.arange(K)[None, :]).clamp(min=0).reshape(-1)
     return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row,
             "last_row": last_row}
 
