@@ -1,4 +1,4 @@
-"""The decode step's conv update, three ways, on the GPU: is a ring-buffer conv state worth it?
+"""The decode step's conv update, three ways, on the GPU: is a ring-buffer conv state worth it? (No.)
 
     python benchmarks/conv_update.py [--shapes 130m,2.7b,7b] [--batches 1,64,256] [--out results.jsonl]
 
@@ -16,6 +16,10 @@ state and weights, silu, bias, slots scattered in a pool of 2*batch+1):
   intree  vLLM's Triton ``causal_conv1d_update`` (what vLLM's in-tree Mamba2 runs), if vLLM is importable
 and checks that ring and in-tree give the linear path's output, and that the ring state holds the linear
 state rotated by the position (all exact: the same products in the same order, or reported otherwise).
+
+Answer on the H200 (RESULTS.md, eighth session): ring is 1.01-1.17x linear (< 1 % of a decode step), vLLM's
+Triton update 1.25-2.06x. The shift is not what makes causal-conv1d's update slow, so the plugin keeps
+oldest-first states (a ring layout was built, measured with this script, and reverted).
 """
 
 import argparse

@@ -14,7 +14,9 @@ its ``conv_ssm_forward``, with metadata from the plugin's ``Mamba2PluginMetadata
 includes the step's prefill plan; its time is reported as build_us). With no engine there is no forward
 context, so the one lookup the mixer makes in it (``compat.layer_metadata``) is answered with that metadata.
 Layouts: "<S>x<L>" = S fresh prompts of L tokens packed together (T = S*L); a trailing "r" makes every other
-prompt a resumed chunk (it starts from the state in its slot: the initial-state correction path).
+prompt a resumed chunk (it starts from the state in its slot: the initial-state correction path); "r1" makes
+only the first one resumed, as in a chunked-prefill step that continues the prompt the previous step cut (the
+plugin reruns such a sequence alone through the kernels' native initial state).
 
 Reported per layout: host_us = CPU time to enqueue one layer (measured over ``--iters`` layers with no sync in
 between), wall_us = wall time per layer with the GPU kept busy (sync after the loop), device breakdown per
@@ -55,9 +57,10 @@ CHUNK = 256
 
 
 def parse_layout(spec: str):
-    resumed = spec.endswith("r")
-    s, l = spec.rstrip("r").split("x")
-    return int(s), int(l), resumed
+    """"16x512" -> (16, 512, resumed=""); "16x512r" -> every other prompt resumed; "16x512r1" -> the first only."""
+    s, _, rest = spec.partition("x")
+    l, r, how = rest.partition("r")
+    return int(s), int(l), (r + how if r else "")
 
 
 def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
@@ -93,7 +96,10 @@ def make_step(layer: Mamba2Mixer, S, L, resumed, dtype, dev, seed=1):
              torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1)
     slots = torch.randperm(slots_n - 1, generator=g)[:S] + 1  # slot 0 is the null block
     qsl = torch.arange(S + 1, dtype=torch.int32) * L
-    context = torch.tensor([7 if resumed and s % 2 == 1 else 0 for s in range(S)], dtype=torch.int32)
+    if resumed not in ("", "r", "r1"):
+        raise SystemExit(f"unknown layout suffix {resumed!r}: use r (every other prompt) or r1 (the first)")
+    resumes = [(resumed == "r" and s % 2 == 1) or (resumed == "r1" and s == 0) for s in range(S)]
+    context = torch.tensor([7 if r else 0 for r in resumes], dtype=torch.int32)
     projected = torch.randn(T, n_proj, generator=g).to(dev, dtype)
     return dict(T=T, S=S, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context)
 
@@ -261,7 +267,7 @@ def main():
                 layer.kv_cache = fresh_pools(step, dtype, dev)
                 try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
                     run, build_us = RUNNERS[impl](layer, step, dev, holder)
-                    r = dict(model=args.model, impl=impl, layout=spec, tokens=S * L, sequences=S, resumed=resumed,
+                    r = dict(model=args.model, impl=impl, layout=spec, tokens=S * L, sequences=S, resumed=bool(resumed),
                              device=str(dev), dtype=args.dtype, build_us=build_us,
                              **measure(run, dev, args.iters, args.rows))
                 except Exception:

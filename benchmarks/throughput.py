@@ -26,6 +26,10 @@ decode steps. (Until 2026-12-02 the harness used M = 1, which charged the mixed 
 64 and 256 to the decode steps; results before that say so.)
 Results go out as JSON lines as they come (a run cut short still reports what finished).
 
+The prefill cell runs once untimed and then ``PREFILL["repeats"]`` times timed: its tok/s come from the median
+run (``runs_s`` lists all), its ``timeline.median_ms`` is the median engine step period over the timed runs
+(shown in the step columns in parentheses), since one ~0.3 s run is within the host's noise.
+
 Each decode cell also reports ``timeline``: the engine's own step periods during the timed run (``StepTimeline``:
 engine-core timestamps of the steps' outputs, full-batch steps only; median, mean, p90, max, first and second
 half), how far the front end lags behind, and the garbage collections (>= 0.2 ms) of the worker and the engine
@@ -59,11 +63,11 @@ MODELS = {
 }
 DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
 PROFILE_NEW = 64  # new tokens in the profiled decode run: ~17 mixed steps, ~48 steady full-batch steps, the tail
-PREFILL = dict(prompt=4096, new=1, batch=16)
+PREFILL = dict(prompt=4096, new=1, batch=16, repeats=3)  # timed runs of the prefill cell: the median is reported
 
 
 SMOKE_DECODE = dict(prompt=32, new=8, mid=4, batches=[1, 4])
-SMOKE_PREFILL = dict(prompt=128, new=1, batch=2)
+SMOKE_PREFILL = dict(prompt=128, new=1, batch=2, repeats=2)
 
 
 def sync():
@@ -245,11 +249,23 @@ def worker(args) -> None:
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]),
                                           timeline=steps)), flush=True)
     if "prefill" in workloads:
+        import statistics
+
         run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
-        el, n_out, n_in = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
+        timed = [run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"]) for _ in range(PREFILL["repeats"])]
+        el = statistics.median(t[0] for t in timed)
+        n_out, n_in = timed[0][1], timed[0][2]
+        # Engine step periods inside the timed runs (8 192-token prefill steps, then one short last step).
+        periods = []
+        for r in runs[-PREFILL["repeats"]:]:
+            stamps = [st[0] for st in timeline.steps[r[5]:] if st[0] <= r[4]]
+            periods += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
         print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
-                                          new=PREFILL["new"], seconds=el, out_tok_s=n_out / el,
-                                          total_tok_s=(n_out + n_in) / el)), flush=True)
+                                          new=PREFILL["new"], seconds=el, runs_s=[round(t[0], 4) for t in timed],
+                                          out_tok_s=n_out / el, total_tok_s=(n_out + n_in) / el,
+                                          timeline=dict(steps=len(periods) + len(timed),
+                                                        median_ms=round(statistics.median(periods), 3)
+                                                        if periods else None))), flush=True)
     # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
     with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
         json.dump(dict(runs=runs, steps=timeline.steps), f)
@@ -305,6 +321,8 @@ def markdown(rows, bw, cmd) -> str:
 
     def step(r):
         med = ((r or {}).get("timeline") or {}).get("median_ms")
+        if r and r["workload"] == "prefill":  # no decode step: the engine's median prefill step alone
+            return f"({med:.2f})" if med is not None else "—"
         return f(r, "decode_step_ms", "{:.2f} ms") + (f" ({med:.2f})" if med is not None else "")
 
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):

@@ -45,6 +45,12 @@ T0=$(date +%s)
 PAYLOAD=.gpu bash scripts/gpu/device-setup.sh 2>&1 | tee "$LOG/setup.log"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 MAMBA2_TESTS_INSTAFAIL=1
 export TRITON_CACHE_AUTOTUNING=1
+# vLLM's torch.compile cache redirects TRITON_CACHE_DIR into a per-config-hash directory under ~/.cache/vllm
+# (vllm/compilation/compiler_interface.py:463-480, v0.26) as soon as a model is compiled, so in CUDA-graph runs the
+# autotuning timings never reached the Triton cache saved below (the eighth session's graph-mode calls returned an
+# empty triton-autotune.tgz). Disabling that cache keeps Triton's own directory; on a fresh machine nothing is
+# cached anyway, so it costs no compile time.
+export VLLM_DISABLE_COMPILE_CACHE=${VLLM_DISABLE_COMPILE_CACHE:-1}
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 mkdir -p "$TRITON_CACHE"
 if [ -f .gpu/triton-autotune.tgz ]; then
