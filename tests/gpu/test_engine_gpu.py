@@ -60,7 +60,7 @@ def test_cuda_kernels_are_the_ones_in_use(model_dirs):
     assert names == ["Mamba2PluginForCausalLM"]
     # Imported lazily: not by start-up (profile runs carry no metadata), only by the first real step.
     _gen(llm, [[5, 6, 7]], max_tokens=2)
-    assert "mamba_ssm" in sys.modules and "causal_conv1d" in sys.modules
+    assert "mamba_ssm" in sys.modules and "causal_conv1d_cuda" in sys.modules  # causal-conv1d's extension
 
 
 @pytest.mark.parametrize("variant", ["g1", "g8_bias"])

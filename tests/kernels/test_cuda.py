@@ -131,11 +131,12 @@ def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_o
     out.copy_(o.to(x.dtype))
 
 
-def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
-                      conv_state_indices=None):
-    """causal_conv1d.causal_conv1d_update (non-circular), with causal_conv1d.cpp:466-531's checks."""
+def _fake_conv_update(x, conv_state, weight, bias, out, silu_activation, cache_seqlens, conv_state_indices):
+    """causal_conv1d_cuda.causal_conv1d_update (the extension, non-circular, in place into out), with
+    causal_conv1d.cpp:466-537's checks: x and out (batch, dim, seqlen), out written through its own strides."""
     assert cache_seqlens is None
-    x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+    assert x.dim() == 3 and out.shape == x.shape and out.dtype == x.dtype
+    x3 = x
     batch, dim, seqlen = x3.shape
     width = weight.shape[-1]
     L = conv_state.size(2)
@@ -145,7 +146,6 @@ def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_s
     idx = conv_state_indices
     assert idx is not None and idx.dtype == torch.int32 and idx.stride(0) == 1 and idx.shape == (batch,)
     assert conv_state.shape[1:] == (dim, L)
-    out = torch.empty_like(x3)
     for b, c in enumerate(idx.tolist()):
         if c < 0:
             out[b] = 0
@@ -155,10 +155,9 @@ def _fake_conv_update(x, conv_state, weight, bias=None, activation=None, cache_s
         for i in range(seqlen):
             w = win[:, L + i - width + 1: L + i + 1].float()
             v = (w * weight.float()).sum(-1) + (0 if bias is None else bias.float())
-            ys.append(F.silu(v) if activation in ("silu", "swish") else v)
+            ys.append(F.silu(v) if silu_activation else v)
         out[b] = torch.stack(ys, -1).to(x.dtype)
         conv_state[c] = win[:, -L:]  # through the caller's (possibly strided) view: in place
-    return out.squeeze(-1) if x.dim() == 2 else out
 
 
 def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -227,7 +226,7 @@ FAKE_KERNELS = SimpleNamespace(
     selective_state_update=_fake_state_update,
     layer_norm_fwd=_fake_layer_norm_fwd,
     conv_fwd=_fake_conv_fwd,
-    causal_conv1d_update=_fake_conv_update,
+    conv_update=_fake_conv_update,
 )
 
 # ------------------------------------------------------------------------------------------------------

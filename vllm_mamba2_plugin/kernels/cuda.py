@@ -38,7 +38,8 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   (causal_conv1d_interface.py:27-30). No host sync.
   Why the direct calls: a prefill step is host-bound (benchmarks/prefill_layer.py on the H200: ~1.9 ms of
   host time per layer against ~0.65 ms of GPU time before this), so every wrapper layer and glue op counts.
-* ``conv_update``: ONE ``causal_conv1d_update(..., conv_state_indices=int32)`` on the pool's transposed view
+* ``conv_update``: ONE call of causal-conv1d's update extension (what ``causal_conv1d_update`` reaches through
+  a custom op) with int32 conv_state_indices on the pool's transposed view
   (slots, D, K) (strides (slot, 1, D)); the C++ checks only shapes/dtypes, strides are free
   (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
 * ``ssm_state_update``: ONE ``selective_state_update(..., state_batch_indices=int64)`` in the multi-head
@@ -86,7 +87,6 @@ def _kernels() -> SimpleNamespace:
     if _KERNELS is None:
         try:
             import causal_conv1d_cuda
-            from causal_conv1d import causal_conv1d_update
             from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
             from mamba_ssm.ops.triton.selective_state_update import (
                 _selective_scan_update_kernel,
@@ -101,7 +101,7 @@ def _kernels() -> SimpleNamespace:
             ssu_kernel=_selective_scan_update_kernel,
             layer_norm_fwd=_layer_norm_fwd,
             conv_fwd=causal_conv1d_cuda.causal_conv1d_fwd,
-            causal_conv1d_update=causal_conv1d_update,
+            conv_update=causal_conv1d_cuda.causal_conv1d_update,
         )
     return _KERNELS
 
@@ -440,11 +440,17 @@ def conv_update(
     idx = state_indices.to(device=conv_states.device, dtype=torch.int32).contiguous()
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:500
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
     # conv_state dtype must equal x dtype (causal_conv1d.cpp:479): store x in the pool's dtype.
-    xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)
-    out = k.causal_conv1d_update(
-        xs, conv_states.transpose(-1, -2), weight, bias, activation, conv_state_indices=idx
-    )  # pool view (slots, D, W-1); the kernel shifts it left by one and appends x, in place
+    xs = (x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)).unsqueeze(-1)  # (B, D, 1)
+    out = torch.empty_like(xs)
+    # The extension itself, as causal_conv1d_update's custom op (cpp_functions.py:71-91) calls it: the
+    # torch.library custom-op dispatch in between costs ~30 us of host time per call, i.e. per layer of every
+    # step that runs the mixer eagerly (mixed steps; every step in eager mode). Pool view (slots, D, W-1); the
+    # kernel shifts it left by one and appends x, in place.
+    k.conv_update(xs, conv_states.transpose(-1, -2), weight, bias, out, activation is not None, None, idx)
+    out = out.squeeze(-1)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
