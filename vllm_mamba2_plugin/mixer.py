@@ -214,8 +214,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _warm_prefill_layouts(self, max_rerun: int):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
         path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
-        sequence is shorter than W-1; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more:
-        the batched correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
+        sequence is shorter than W-1; one resumed sequence opening the batch, through the packed call's own
+        initial state; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more: the batched
+        correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
         a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
         (On the H200, with only a 37-token rerun warmed, vLLM's JIT monitor still saw four SSD kernels compile
         during serving of a 7b-shape run: benchmarks/RESULTS.md.)"""
@@ -223,6 +224,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return [
             ([cs // 2, cs + cs // 2], [False, False]),
             ([cs + 5, 2], [False, False]),
+            ([37, cs], [True, False]),
             (reruns + [cs], [True] * len(reruns) + [False]),
             ([20] * many, [True] * many),
         ]

@@ -80,13 +80,22 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
     dt_out = torch.zeros(batch, nheads, nchunks * chunk_size)
     dt_out[:, :, :seqlen] = dtp.transpose(1, 2)
     dt_out = dt_out.view(batch, nheads, nchunks, chunk_size)
+    dA_cumsum = (dt_out * A.float().view(1, nheads, 1, 1)).cumsum(-1)  # within each chunk (ssd_chunk_state.py)
     final_states = torch.stack([f[-1] for f in finals])  # float32 (ssd_state_passing.py:208)
-    res = (out, None, dt_out, None, None, final_states)
+    res = (out, None, dt_out, dA_cumsum, None, final_states)
     if cu_seqlens is None:
         return res
     assert batch == 1  # ssd_combined.py:390
     assert cu_seqlens.tolist() == segs, (cu_seqlens.tolist(), segs)  # the wrapper passes matching bounds
-    return res + (finals[0].to(C.dtype),)  # chunk states are stored in C's dtype (ssd_combined.py:381)
+    varlen = finals[0].clone()
+    if initial_states is not None and segs[1] <= chunk_size:
+        # chunk_state_varlen adds the state entering a sequence's last chunk only if the sequence started before
+        # that chunk (ssd_chunk_state.py:700-706): the first sequence, ending in chunk 0, loses its h0 term.
+        a, b = segs[0], segs[1]
+        _, fin0 = ref.ssd_chunk_scan(x[0, a:b], dtp[0, a:b], A, B[0, a:b], C[0, a:b], chunk_size,
+                                     torch.tensor([0, b - a]), None, None, D)
+        varlen[0] = fin0[0]
+    return res + (varlen.to(C.dtype),)  # chunk states are stored in C's dtype (ssd_combined.py:381)
 
 
 def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation):
@@ -107,8 +116,8 @@ def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_o
         assert channel_last and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
         assert seq_idx.shape == (batch, seqlen)
     assert final_states_out is None  # the wrapper never asks for them
-    if initial_states is not None:  # causal_conv1d.cpp:211-223; the wrapper uses them without seq_idx only
-        assert channel_last and seq_idx is None and initial_states.dtype == x.dtype
+    if initial_states is not None:  # causal_conv1d.cpp:211-223
+        assert channel_last and initial_states.dtype == x.dtype
         assert initial_states.shape == (batch, dim, width - 1) and initial_states.stride(1) == 1
     xf = x.float()
     if seq_idx is None:
@@ -117,8 +126,14 @@ def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_o
         o = F.conv1d(torch.cat([pre, xf], -1), weight.float().unsqueeze(1),
                      None if bias is None else bias.float(), groups=dim)
     else:  # causal_conv1d_ref's seq_idx branch (causal_conv1d_interface.py:155-174)
-        xp = F.pad(xf, (width - 1, 0))
-        sp = torch.cat([seq_idx.new_full((batch, width - 1), -1), seq_idx], dim=-1)
+        # The width-1 positions before the row: the initial states, tagged with seq_idx[0] (the channel-last
+        # kernel, causal_conv1d_fwd.cu:304-312: they reach the row's first sequence only), else zeros, tagged -1.
+        if initial_states is None:
+            xp = F.pad(xf, (width - 1, 0))
+            sp = torch.cat([seq_idx.new_full((batch, width - 1), -1), seq_idx], dim=-1)
+        else:
+            xp = torch.cat([initial_states.float(), xf], -1)
+            sp = torch.cat([seq_idx[:, :1].expand(batch, width - 1), seq_idx], dim=-1)
         same = sp.unfold(-1, width, 1) == seq_idx.unsqueeze(-1)
         o = (xp.unfold(-1, width, 1) * same.unsqueeze(1) * weight.float().view(1, dim, 1, width)).sum(-1)
         if bias is not None:
@@ -384,6 +399,57 @@ def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
     assert resume_path.calls == per_call * 2, resume_path.calls
 
 
+def _lone_first_layout(variant, cs):
+    """(lengths, flags) where exactly one sequence resumes and it is the first non-empty one."""
+    return {
+        "ends-in-chunk-0": ([cs // 2 + 3, cs + 7, 5], [True, False, False]),
+        "exactly-one-chunk": ([cs, 9, cs + 1], [True, False, False]),
+        "spans-chunks": ([2 * cs + 5, 3, cs - 1], [True, False, False]),
+        "one-token": ([1, cs + 3], [True, False]),
+        "alone": ([cs // 2], [True]),
+        "after-empty": ([0, cs // 2, 7], [False, True, False]),
+    }[variant]
+
+
+LONE_FIRST = ["ends-in-chunk-0", "exactly-one-chunk", "spans-chunks", "one-token", "alone", "after-empty"]
+
+
+@pytest.mark.parametrize("variant", LONE_FIRST)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, name, dtype, variant, resume_path):
+    """The usual chunked-prefill step: one resumed chunk, first in the batch. ONE packed call with the kernels'
+    initial_states (no rerun, no correction, whatever SEPARATE_RESUMED_MAX says), including the patched final
+    state of a first sequence that ends in chunk 0 -- and the mixer's form of the call (raw dt, dt_bias, limit,
+    state in the pool's dtype). Oracle: the reference; unflagged states hold garbage."""
+    c = case(kern, name)
+    lens, flags = _lone_first_layout(variant, c.cs)
+    x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11)
+    h0 = garbage_states(gen(12), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    t = tol(kern, "ssd", dtype)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    for p in (None, plan):
+        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=p)
+        assert_close(y, y_r, t, "y")
+        for s in range(len(lens)):
+            assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
+    # The mixer's call: raw dt + dt_bias + limit processed inside, final states in a bf16 pool's dtype.
+    g = gen(13)
+    raw = rnd(g, sum(lens), c.H, scale=2.0).to(kern.dev, dtype)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    limit = (0.01, 0.5)
+    y_r2, fin_r2 = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
+    y2, fin2 = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+                                 dt_limit=limit, state_dtype=BF16)
+    assert fin2.dtype == BF16
+    assert_close(y2, y_r2, t, "y (raw dt)")
+    for s in range(len(lens)):
+        assert_close(fin2[s], fin_r2[s], 2 * tol(kern, "ssd", BF16), f"final state {s} (raw dt, bf16 pool)")
+    assert resume_path.calls == [sum(lens)] * 3, resume_path.calls  # one packed call each, nothing rerun
+
+
 @pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
 def test_ssd_edge_cases(kern, variant, resume_path):
     c = case(kern, "tiny-g2")
@@ -540,6 +606,32 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
             assert launched[0] == x.data_ptr() and len(launched) == 1 + sum(flags), launched
         else:
             assert len(launched) == 1 and launched[0] != x.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_lone_first_resumed_sequence_is_read_in_place(kern, dims, dtype, monkeypatch):
+    """One resumed sequence, first in the batch, all >= W-1 tokens: ONE launch reading x in place, the state
+    through the kernel's own initial_states (no rerun). Against the reference; other states hold garbage."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    lens = [5, 9, 17] if dims == "tiny" else [300, 255, 700]
+    flags = [True, False, False]
+    T, S = sum(lens), len(lens)
+    g = gen(32)
+    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = record_conv_launches(monkeypatch)
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
+    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
+        assert launched == [x.data_ptr()], launched
+        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
 
 
 def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
@@ -844,7 +936,8 @@ def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
-    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), up to SEPARATE_RESUMED_MAX
+    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), a lone resumed sequence that
+    opens the batch (the packed call's own initial state), up to SEPARATE_RESUMED_MAX
     resumed sequences (each rerun alone with its initial state), more (batched correction); once per layer
     signature. On "cuda" this compiles and autotunes the real kernels."""
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -875,15 +968,16 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
 
     layer._warm_prefill_kernels(projected)
-    # packed calls of the four layouts, and the reruns of the third (each with its own initial state)
-    assert calls == [(2 * cs, False), (cs + 7, False), (cs + 86, False), (37, True), (48, True), (1, True),
-                     (80, False)]
-    assert len(launched) >= 4
+    # packed calls of the five layouts: the third's lone first resumed sequence through the call's own initial
+    # state, the fourth's three resumed ones rerun (each with its own initial state)
+    assert calls == [(2 * cs, False), (cs + 7, False), (37 + cs, True), (cs + 86, False), (37, True), (48, True),
+                     (1, True), (80, False)]
+    assert len(launched) >= 5
     layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
-    assert len(calls) == 7
+    assert len(calls) == 8
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, BF16))  # another SSM state dtype: warms again
     layer._warm_prefill_kernels(projected)
-    assert len(calls) == 14
+    assert len(calls) == 16
 
 
 # ------------------------------------------------------------------------------------------------------

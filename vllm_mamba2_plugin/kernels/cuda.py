@@ -22,7 +22,16 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
   ``_add_initial_state``), from the step sizes the kernel itself computed. When at most
   ``SEPARATE_RESUMED_MAX`` sequences resume (the usual chunked-prefill step: one), each is instead rerun alone
   as one batch row with its initial state (which the kernel takes natively) and its rows overwritten: fewer
-  host launches than the correction, and prefill steps are host-bound. With dt_bias the kernel's first
+  host launches than the correction, and prefill steps are host-bound. And when the ONLY resumed sequence is
+  the batch's first (vLLM's runner orders a step's rows decode, short extend, long extend, fresh prompt:
+  the chunk that continues a cut prompt opens the prefill block), its state is simply the packed call's
+  ``initial_states``: no second call. One upstream gap is patched then: ``chunk_state_varlen`` adds the state
+  entering a sequence's last chunk only if the sequence started before that chunk (ssd_chunk_state.py:700-706),
+  so a first sequence that ends in chunk 0 gets a final state without its h0 term; the wrapper adds
+  exp(dA_cumsum[its last token]) h0 (the kernel's own in-chunk cumsum). Its final state then comes, like every
+  fresh sequence's, from the kernel's varlen states, which are stored in C's dtype (a rerun's came in float32):
+  with bf16 activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding
+  of its state per step instead of one in all. With dt_bias the kernel's first
   pass applies softplus(dt + dt_bias) and the limit (ssd_chunk_state.py:72-81), so no separate dt kernels.
   Rows flagged has_initial_state False never read initial_states.
   Host sync: sizes (cu_seqlens, has_initial_state) are needed on the host. The mixer passes the step's
@@ -132,8 +141,15 @@ def _conv_unsupported(dim: int, width: int, x_dtype, w_dtype) -> Optional[str]:
 
 
 # At most this many resumed sequences in a step are rerun one by one (``ssd_chunk_scan``); more take the batched
-# initial-state correction. One rerun is ~6 kernel launches of host time, the correction ~40 small ones.
+# initial-state correction. One rerun is ~6 kernel launches of host time, the correction ~40 small ones. (A lone
+# resumed sequence that opens the batch needs neither: ``_native_first``.)
 SEPARATE_RESUMED_MAX = 3
+
+
+def _native_first(plan: VarlenPlan, initial_states: Optional[torch.Tensor]) -> bool:
+    """The only sequence that resumes a state is the first non-empty one of the packed batch: the kernels' own
+    initial state (per batch row, which with seq_idx reaches exactly the row's first sequence) serves it."""
+    return initial_states is not None and plan.resumed == plan.nonempty[:1] != []
 
 
 def plan_prefill(
@@ -259,10 +275,19 @@ def ssd_chunk_scan(
                          dt_limit=dt_limit if raw else (0.0, float("inf")), **kw)
 
     # seq_idx: int32 0..S'-1, the kernels only compare ids (ssd_bmm.py:84-88)
-    res = fwd(lo, hi, seq_idx=plan.seq_idx.unsqueeze(0), cu_seqlens=plan.cu_k)
+    native = _native_first(plan, initial_states)
+    first = plan.nonempty[0]
+    res = fwd(lo, hi, seq_idx=plan.seq_idx.unsqueeze(0), cu_seqlens=plan.cu_k,
+              **({"initial_states": initial_states[first: first + 1]} if native else {}))
     out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
 
-    if plan.init is not None and initial_states is not None:
+    if native:
+        end = plan.cu[first + 1] - lo
+        if end <= chunk_size:  # it ends in chunk 0: chunk_state_varlen left its h0 term out (see the module doc)
+            decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
+            fin_k = fin_k.to(torch.float32)
+            fin_k[0] += decay[:, None, None] * initial_states[first].to(torch.float32)
+    elif plan.init is not None and initial_states is not None:
         fin_k = fin_k.to(torch.float32)
         if len(plan.resumed) <= SEPARATE_RESUMED_MAX:
             # Few resumed sequences (chunked prefill resumes about one per step): rerun each alone, as one batch
@@ -365,9 +390,14 @@ def causal_conv1d(
     if rows_ok and len(resumed) <= SEPARATE_RESUMED_MAX:
         # Channel-last view (1, D, T), strides (D, 1, row stride): the kernel reads 8-channel vectors
         # (16 bytes) at row starts, hence the alignment checks (causal_conv1d.cpp:175-181 checks the strides).
-        out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu)
+        # A lone resumed sequence that opens the batch (sequence 0: in place, every sequence is non-empty) takes
+        # the kernel's initial_states, which it gives the K positions before the row, tagged with seq_idx[0]
+        # (causal_conv1d_fwd.cu:237, 304-312): no rerun.
+        native = _native_first(plan, initial_states)
+        init0 = initial_states[0].to(x.dtype).t().unsqueeze(0) if native else None  # (1, D, K), unit channel stride
+        out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu, init0)
         y = out[0].t()
-        for s in resumed:
+        for s in [] if native else resumed:
             # Only a resumed sequence's first K outputs read its saved state (every sequence has >= K tokens
             # here): recompute those K rows from the state, through the kernel's initial_states (one sequence,
             # no seq_idx: the form the kernel supports, causal_conv1d.cpp:211-223).
