@@ -20,6 +20,11 @@
 # launch_table' 115 s; tests/gpu: first engine test 153 s, eager g8_bias 114 s, piecewise 164 s, FULL 110 s, bf16
 # 113 s -- tests/gpu -k 'not in_tree' no longer fits one call after setup: use three calls, or -k subsets.
 # A call refused for want of a machine still costs 15-90 s of budget.
+# Eighth session (carried causal-conv1d build, no autotuning file -- graph-mode runs did not save one until the
+# VLLM_DISABLE_COMPILE_CACHE line below): setup 53-70 s; throughput.py --models 130m --modes graph (both impls, all
+# cells) 306 s; --models 130m --workloads prefill --profile (both) 316 s; --models 2.7b --batches 256 --workloads
+# decode (both) 398 s (start-ups 158 + 142 s), so a bf16 + fp32 pair of that cell does not fit one call;
+# benchmarks/conv_update.py 24 s; tests/kernels -k 'conv_update_pool or causal_conv1d or chunked or warmup' 79 s.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
