@@ -9,7 +9,8 @@ from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadata
 
 
 def _builder(chunk=8, max_num_seqs=8, max_capture=4):
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=chunk, conv_kernel=4)),
+    hf_config = SimpleNamespace(chunk_size=chunk, conv_kernel=4)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
                                   scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                                   compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture))
     return Mamba2PluginMetadataBuilder(None, ["l0"], vllm_config, torch.device("cpu"))
