@@ -23,14 +23,13 @@ oldest-first states (a ring layout was built, measured with this script, and rev
 """
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ssu_launch import device_time_us  # noqa: E402
+from ssu_launch import device_time_us, emit  # noqa: E402
 from throughput import MODELS  # noqa: E402
 
 W = 4
@@ -104,10 +103,7 @@ def main() -> None:
                 gbs = bs * Dm * (K + 3) * 2 / (us * 1e-6) / 1e9
                 row = dict(shape=shape, conv_dim=Dm, batch=bs, impl=name, us=round(us, 2), min_GBps=round(gbs),
                            speedup_vs_linear=round(base / us, 2), **checks)
-                print(json.dumps(row), flush=True)
-                if out_f:
-                    out_f.write(json.dumps(row) + "\n")
-                    out_f.flush()
+                emit(row, out_f)
 
 
 if __name__ == "__main__":

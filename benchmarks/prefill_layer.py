@@ -16,7 +16,7 @@ context, so the one lookup the mixer makes in it (``compat.layer_metadata``) is 
 Layouts: "<S>x<L>" = S fresh prompts of L tokens packed together (T = S*L); a trailing "r" makes every other
 prompt a resumed chunk (it starts from the state in its slot: the initial-state correction path); "r1" makes
 only the first one resumed, as in a chunked-prefill step that continues the prompt the previous step cut (the
-plugin reruns such a sequence alone through the kernels' native initial state).
+plugin hands that sequence's state to the packed kernel calls as their own initial state).
 
 Reported per layout: host_us = CPU time to enqueue one layer (measured over ``--iters`` layers with no sync in
 between), wall_us = wall time per layer with the GPU kept busy (sync after the loop), device breakdown per

@@ -73,6 +73,15 @@ def device_time_us(fn, reps=20, replays=5) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * replays)
 
 
+def emit(row: dict, out_f) -> None:
+    """One result row as a JSON line on stdout and, if given, appended to the results file (flushed: a cut run
+    keeps what it measured)."""
+    print(json.dumps(row), flush=True)
+    if out_f:
+        out_f.write(json.dumps(row) + "\n")
+        out_f.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -128,10 +137,7 @@ def main() -> None:
                            max_abs_diff_vs_default=err_up,
                            rel_err_vs_reference=round(err_ref, 5), state_rel_err_vs_reference=round(st_ref, 5),
                            untouched_slots_identical=ok_untouched)
-                print(json.dumps(row), flush=True)
-                if out_f:
-                    out_f.write(json.dumps(row) + "\n")
-                    out_f.flush()
+                emit(row, out_f)
 
 
 if __name__ == "__main__":

@@ -577,6 +577,29 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
 
 
+def _conv_resumed_runs(kern, dims, dtype, lens, flags, seed, monkeypatch):
+    """causal_conv1d on sequences of which some resume a saved state (unflagged states hold garbage), without a
+    plan and with the builder's: checked against the reference (final states exactly); yields, per call, the
+    input pointers of the conv launches it made and x's own pointer."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    T, S = sum(lens), len(lens)
+    g = gen(seed)
+    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = record_conv_launches(monkeypatch)
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
+    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
+        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+        yield list(launched), x.data_ptr()
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("dims", list(CONV_DIMS))
 def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeypatch):
@@ -584,28 +607,13 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
     as if all were fresh, then each resumed sequence's first W-1 outputs are recomputed from its state (one
     small launch each); "correction": the extended buffer. Both against the reference; unflagged states hold
     garbage."""
-    if dims == "real" and kern.name == "fake":
-        pytest.skip("realistic shapes only on the GPU")
-    Dm, W = CONV_DIMS[dims], 4
     lens = [3, 9, 4, 17] if dims == "tiny" else [3, 255, 256, 700]
     flags = [True, False, True, True]
-    T, S = sum(lens), len(lens)
-    g = gen(31)
-    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
-    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
-    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    launched = record_conv_launches(monkeypatch)
-    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
-    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
-        launched.clear()
-        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
-        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
-        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+    for launched, x_ptr in _conv_resumed_runs(kern, dims, dtype, lens, flags, 31, monkeypatch):
         if resume_path.name == "rerun":
-            assert launched[0] == x.data_ptr() and len(launched) == 1 + sum(flags), launched
+            assert launched[0] == x_ptr and len(launched) == 1 + sum(flags), launched
         else:
-            assert len(launched) == 1 and launched[0] != x.data_ptr()
+            assert len(launched) == 1 and launched[0] != x_ptr
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -613,25 +621,9 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
 def test_causal_conv1d_lone_first_resumed_sequence_is_read_in_place(kern, dims, dtype, monkeypatch):
     """One resumed sequence, first in the batch, all >= W-1 tokens: ONE launch reading x in place, the state
     through the kernel's own initial_states (no rerun). Against the reference; other states hold garbage."""
-    if dims == "real" and kern.name == "fake":
-        pytest.skip("realistic shapes only on the GPU")
-    Dm, W = CONV_DIMS[dims], 4
     lens = [5, 9, 17] if dims == "tiny" else [300, 255, 700]
-    flags = [True, False, False]
-    T, S = sum(lens), len(lens)
-    g = gen(32)
-    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
-    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
-    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    launched = record_conv_launches(monkeypatch)
-    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
-    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
-        launched.clear()
-        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
-        assert launched == [x.data_ptr()], launched
-        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
-        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+    for launched, x_ptr in _conv_resumed_runs(kern, dims, dtype, lens, [True, False, False], 32, monkeypatch):
+        assert launched == [x_ptr], launched
 
 
 def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
