@@ -25,6 +25,10 @@
 # cells) 306 s; --models 130m --workloads prefill --profile (both) 316 s; --models 2.7b --batches 256 --workloads
 # decode (both) 398 s (start-ups 158 + 142 s), so a bf16 + fp32 pair of that cell does not fit one call;
 # benchmarks/conv_update.py 24 s; tests/kernels -k 'conv_update_pool or causal_conv1d or chunked or warmup' 79 s.
+# Ninth session: setup 35-60 s; MAMBA_DETERMINISTIC=1 tests/kernels (all, 223) 161 s; tests/gpu -k 'kernels_are or
+# chunked or full_decode' 277 s; throughput.py --models 2.7b --batches 256 --workloads decode --profile (both) 400 s
+# (start-ups 129 + 121 s, profiled runs 42 + 36 s); the same with --ssm-dtype float32 (no profile) 307 s;
+# prefill_layer.py --model 2.7b on a cold Triton cache: over 100 s for its first row alone.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
