@@ -20,7 +20,7 @@ from torch import nn
 
 from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
-from .kernels import get_kernels
+from .kernels import get_kernels, reference
 from .spec import Mamba2StateSpec
 
 OP_NAME = "mamba2_plugin_mixer"
@@ -118,8 +118,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         meta = compat.layer_metadata(self.prefix)
         if meta is None:
             # Profile / dummy run: no requests, no state. Only the output shape matters. On CUDA the first
-            # profile run also compiles and autotunes the kernels, before the state pools take the memory.
-            if projected.is_cuda:
+            # profile run also compiles and autotunes the kernels, before the state pools take the memory
+            # (not with VLLM_MAMBA2_PLUGIN_KERNELS=reference: nothing to compile).
+            if projected.is_cuda and get_kernels(projected.device) is not reference:
                 self._warm_prefill_kernels(projected)
                 if envs.full_decode_graphs():
                     self._warm_decode_kernels(projected)
@@ -262,10 +263,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
-        must not happen inside a capture). Runs once per process and layer signature, in the profile run, on
-        scratch state laid out like the real inputs (slices of a projection). Batch sizes 1, 2, 3 and 16 cover
-        Triton's integer specialisations (== 1, other, multiple of 16) under both state-update launches that
-        ``cuda.ssu_launch_config`` can pick for this layer (it switches at batch * heads >= 64)."""
+        must not happen inside a capture) or serves its first steps. Runs once per process and layer signature,
+        in the profile run, on scratch state laid out like the real inputs (slices of a projection). The batch
+        sizes (``cuda.ssu_warm_batches``) cover Triton's integer specialisations (== 1, other, multiple of 16)
+        under every state-update launch that ``cuda.ssu_launch_config`` can pick for this layer; rows share the
+        16 scratch slots (what they compute is thrown away)."""
         sig = (str(projected.device), projected.dtype, projected.shape[-1], *self.get_state_dtype(),
                self.num_heads, self.head_dim, self.n_groups, self.state_size, self.conv_kernel,
                self.conv1d.bias is not None, self.dt_limit_is_noop)
@@ -274,12 +276,13 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         k = get_kernels(projected.device)
         dev = projected.device
         conv_pool, ssm_pool = self._scratch_pools(17, dev)
-        for bs in (1, 2, 3, 16):
+        for bs in k.ssu_warm_batches(self.num_heads, self.head_dim, self.state_size, self.get_state_dtype()[1]):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
-            slots = torch.arange(1, bs + 1, device=dev)
+            slots = torch.arange(bs, device=dev) % 16 + 1
             y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
             self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         Mamba2Mixer._warm_decode_signatures.add(sig)
 
 

@@ -972,6 +972,96 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     assert len(calls) == 16
 
 
+def _ssu_specialisations(batches, H, P, N, state_dtype):
+    """(launch, Triton's class of the integer batch argument) of each batch size's state update."""
+    return {(ck.ssu_launch_config(b, H, P, N, state_dtype), "one" if b == 1 else "x16" if b % 16 == 0 else "other")
+            for b in batches}
+
+
+@pytest.mark.parametrize("state_dtype", [BF16, F32, torch.float64], ids=["bf16", "f32", "f64"])
+@pytest.mark.parametrize("H", [24, 80, 128], ids=["130m", "2.7b", "7b"])
+def test_ssu_warm_batches_reach_every_launch_the_table_can_pick(H, state_dtype):
+    """The decode warm-up's batch sizes compile each (launch, batch specialisation) pair that a step of ANY
+    batch size could need: checked against every batch size up to 4096 (brute force, not the formula)."""
+    want = _ssu_specialisations(range(1, 4097), H, 64, 128, state_dtype)
+    got = _ssu_specialisations(ck.ssu_warm_batches(H, 64, 128, state_dtype), H, 64, 128, state_dtype)
+    assert got == want
+    if state_dtype == F32:  # the fp32 table's second tile (from batch*heads 12288) is among them
+        assert (ck.SSU_LAUNCH_TABLE[(64, 128, 4)][-1][1], "other") in got
+
+
+def test_decode_warmup_runs_the_warm_batches(kern, monkeypatch):
+    """Mamba2Mixer._warm_decode_kernels (profile run) runs the decode step at every batch size of
+    ck.ssu_warm_batches for its shape and pool dtype, once per layer signature; rows beyond the 16 scratch slots
+    reuse them. "fake": a two-tile table patched in for a tiny shape; "cuda": the 2.7b shape on fp32 pools, the
+    real table and kernels (both tiles of the fp32 entry, batches up to 160 on 16 slots)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    fake = kern.name == "fake"
+    H, P, G, N, W = (4, 8, 2, 16, 4) if fake else (80, 64, 1, 128, 4)
+    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
+                          chunk_size=32, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+    with set_current_vllm_config(VllmConfig()):
+        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warmdec.mixer")
+    layer = layer.to(kern.dev)
+    monkeypatch.setattr(layer, "get_state_dtype", lambda: (F32, F32))
+    monkeypatch.setattr(mixer_mod, "get_kernels", lambda dev: ck)
+    monkeypatch.setattr(mixer_mod.Mamba2Mixer, "_warm_decode_signatures", set())
+    if fake:
+        monkeypatch.setitem(ck.SSU_LAUNCH_TABLE, (P, N, 4), [(8, (4, 1)), (40, (8, 1))])
+    seen, real = [], ck.ssm_state_update
+
+    def recording(ssm_states, x, dt, A, B, C, state_indices, **kw):
+        seen.append((x.shape[0], ck.ssu_launch_config(x.shape[0], H, P, N, ssm_states.dtype),
+                     state_indices.min().item(), state_indices.max().item()))
+        if not fake:
+            return real(ssm_states, x, dt, A, B, C, state_indices, **kw)
+        return ref.ssm_state_update(ssm_states, x, ref.process_dt(dt, kw.get("dt_bias")), A, B, C, state_indices,
+                                    D=kw.get("D"))
+
+    monkeypatch.setattr(ck, "ssm_state_update", recording)
+    projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev)
+    layer._warm_decode_kernels(projected)
+    batches = ck.ssu_warm_batches(H, P, N, F32)
+    # launch ranges start at batch 1, 2 (8 / H) and 10 (40 / H) with the patched table; 1 and 154 (12288 / 80)
+    # with the real fp32 entry
+    assert batches == ([1, 2, 3, 10, 11, 16] if fake else [1, 2, 16, 154, 155, 160])
+    assert [b for b, *_ in seen] == batches
+    # every launch any batch size could take ran (the patched table leaves batch 1 on upstream's: None)
+    assert {c for _, c, *_ in seen} == {ck.ssu_launch_config(b, H, P, N, F32) for b in range(1, 4097)}
+    assert all(1 <= lo and hi <= 16 for *_, lo, hi in seen)  # scratch slots 1..16, slot 0 never written
+    layer._warm_decode_kernels(projected)  # same signature: nothing runs again
+    assert len(seen) == len(batches)
+
+
+def test_reference_kernels_on_cuda_skip_the_kernel_warmups(monkeypatch):
+    """With VLLM_MAMBA2_PLUGIN_KERNELS=reference on a CUDA device there is nothing to compile: the profile run
+    must not enter the warm-ups (they drive the CUDA wrappers' paths); with the default it does."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_mamba2_plugin import compat
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    cfg = SimpleNamespace(hidden_size=32, num_heads=4, head_dim=8, n_groups=1, state_size=16, conv_kernel=4,
+                          chunk_size=32, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+    with set_current_vllm_config(VllmConfig()):
+        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warmref.mixer")
+    monkeypatch.setattr(compat, "layer_metadata", lambda prefix: None)  # the profile run's forward context
+    warmed = []
+    monkeypatch.setattr(layer, "_warm_prefill_kernels", lambda p: warmed.append("prefill"))
+    monkeypatch.setattr(layer, "_warm_decode_kernels", lambda p: warmed.append("decode"))
+    projected = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))  # stands in for a CUDA tensor
+    out = torch.ones(2, 3)
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_KERNELS", "reference")
+    layer.conv_ssm_forward(projected, out)
+    assert warmed == [] and torch.equal(out, torch.zeros(2, 3))
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_KERNELS", "auto")
+    layer.conv_ssm_forward(projected, out)
+    assert warmed == ["prefill", "decode"]
+
+
 # ------------------------------------------------------------------------------------------------------
 # import behaviour (CPU)
 # ------------------------------------------------------------------------------------------------------

@@ -569,6 +569,20 @@ def ssu_launch_config(batch: int, nheads: int, head_dim: int, dstate: int,
     return cfg
 
 
+def ssu_warm_batches(nheads: int, head_dim: int, dstate: int, state_dtype: torch.dtype) -> list:
+    """Batch sizes whose state updates compile every launch ``ssu_launch_config`` can pick for this layer, each
+    under each of Triton's specialisations of the integer ``batch`` argument (== 1, multiple of 16, other).
+    A launch the warm-up never ran is compiled the first time a step needs it: on the H200 the fp32 table's
+    second tile (from batch * heads >= 12 288, i.e. batch >= 154 at 2.7b) was compiled during serving, in a mixed
+    step (vLLM's JIT monitor, benchmarks/RESULTS.md); a compile inside a CUDA-graph capture would fail."""
+    rows = SSU_LAUNCH_TABLE.get((head_dim, dstate, state_dtype.itemsize), ())
+    starts = sorted({1} | {max(1, -(-lo // nheads)) for lo, _ in rows})  # first batch of each launch's range
+    out = set()
+    for b, nxt in zip(starts, starts[1:] + [float("inf")]):
+        out |= {c for c in (b, b + 1, (b // 16 + 1) * 16) if c < nxt}
+    return sorted(out)
+
+
 def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
     """mamba-ssm's ``_selective_scan_update_kernel`` launched exactly as its wrapper does
     (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count."""
