@@ -285,8 +285,11 @@ def ssd_chunk_scan(
         end = plan.cu[first + 1] - lo
         if end <= chunk_size:  # it ends in chunk 0: chunk_state_varlen left its h0 term out (see the module doc)
             decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
-            fin_k = fin_k.to(torch.float32)
-            fin_k[0] += decay[:, None, None] * initial_states[first].to(torch.float32)
+            # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two
+            # full-size copies per layer of every chunked-prefill step: benchmarks/RESULTS.md, ninth session).
+            row0 = fin_k[0].to(torch.float32) + decay[:, None, None] * initial_states[first].to(torch.float32)
+            fin_k = fin_k.to(state_dtype)
+            fin_k[0] = row0
     elif plan.init is not None and initial_states is not None:
         fin_k = fin_k.to(torch.float32)
         if len(plan.resumed) <= SEPARATE_RESUMED_MAX:
