@@ -274,10 +274,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             return
         k = get_kernels(projected.device)
         dev = projected.device
-        conv_pool, ssm_pool = self._scratch_pools(17, dev)
+        num_slots = 17  # slot 0 stays untouched, rows cycle through 1..16
+        conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
         for bs in k.ssu_warm_batches(self.num_heads, self.head_dim, self.state_size, self.get_state_dtype()[1]):
             z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
-            slots = torch.arange(bs, device=dev) % 16 + 1
+            slots = torch.arange(bs, device=dev) % (num_slots - 1) + 1
             y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
             self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
         if dev.type == "cuda":

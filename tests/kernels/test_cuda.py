@@ -925,6 +925,18 @@ def test_chunked_prefill_then_decode_matches_one_pass(kern, name, dtype, resume_
 # ------------------------------------------------------------------------------------------------------
 
 
+def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
+    """One Mamba2Mixer of the given shape (hidden size 32, conv bias, no linear biases), parameters uninitialised."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
+                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+    with set_current_vllm_config(VllmConfig()):  # the layer registers itself in the config's forward context
+        return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
@@ -932,15 +944,10 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     opens the batch (the packed call's own initial state), up to SEPARATE_RESUMED_MAX
     resumed sequences (each rerun alone with its initial state), more (batched correction); once per layer
     signature. On "cuda" this compiles and autotunes the real kernels."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
-    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
-                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
-    with set_current_vllm_config(VllmConfig()):
-        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warm.mixer")
+    layer = _mixer_layer("warm.mixer", H, P, G, N, W, cs)
     g = gen(90)
     with torch.no_grad():
         for _, p in layer.named_parameters():
@@ -995,17 +1002,11 @@ def test_decode_warmup_runs_the_warm_batches(kern, monkeypatch):
     ck.ssu_warm_batches for its shape and pool dtype, once per layer signature; rows beyond the 16 scratch slots
     reuse them. "fake": a two-tile table patched in for a tiny shape; "cuda": the 2.7b shape on fp32 pools, the
     real table and kernels (both tiles of the fp32 entry, batches up to 160 on 16 slots)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     fake = kern.name == "fake"
-    H, P, G, N, W = (4, 8, 2, 16, 4) if fake else (80, 64, 1, 128, 4)
-    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
-                          chunk_size=32, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
-    with set_current_vllm_config(VllmConfig()):
-        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warmdec.mixer")
-    layer = layer.to(kern.dev)
+    H, P, G, N = (4, 8, 2, 16) if fake else (80, 64, 1, 128)
+    layer = _mixer_layer("warmdec.mixer", H, P, G, N).to(kern.dev)
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (F32, F32))
     monkeypatch.setattr(mixer_mod, "get_kernels", lambda dev: ck)
     monkeypatch.setattr(mixer_mod.Mamba2Mixer, "_warm_decode_signatures", set())
@@ -1039,15 +1040,9 @@ def test_decode_warmup_runs_the_warm_batches(kern, monkeypatch):
 def test_reference_kernels_on_cuda_skip_the_kernel_warmups(monkeypatch):
     """With VLLM_MAMBA2_PLUGIN_KERNELS=reference on a CUDA device there is nothing to compile: the profile run
     must not enter the warm-ups (they drive the CUDA wrappers' paths); with the default it does."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
     from vllm_mamba2_plugin import compat
-    from vllm_mamba2_plugin import mixer as mixer_mod
 
-    cfg = SimpleNamespace(hidden_size=32, num_heads=4, head_dim=8, n_groups=1, state_size=16, conv_kernel=4,
-                          chunk_size=32, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
-    with set_current_vllm_config(VllmConfig()):
-        layer = mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="warmref.mixer")
+    layer = _mixer_layer("warmref.mixer", H=4, P=8, G=1, N=16)
     monkeypatch.setattr(compat, "layer_metadata", lambda prefix: None)  # the profile run's forward context
     warmed = []
     monkeypatch.setattr(layer, "_warm_prefill_kernels", lambda p: warmed.append("prefill"))
