@@ -37,8 +37,8 @@ core in that run. The harness's step is a whole-run average; the timeline says w
 themselves are that long, or whether a few long ones (or a slow front end) make the difference.
 
 --profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
-CPU + CUDA activity) records one decode run (the largest batch, prompt 512, ``PROFILE_NEW`` new tokens) and one
-prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
+CPU + CUDA activity) records one decode run (the largest batch or ``--profile-batch``, prompt 512, ``PROFILE_NEW``
+new tokens) and one prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
 ``benchmarks/trace_steps.py`` turns a trace into per-step host / device tables.
 """
 
@@ -273,7 +273,7 @@ def worker(args) -> None:
         t = time.perf_counter()
         llm.start_profile()
         if "decode" in workloads:
-            run(max(DECODE["batches"]), DECODE["prompt"], PROFILE_NEW)
+            run(job.get("profile_batch") or max(DECODE["batches"]), DECODE["prompt"], PROFILE_NEW)
         if "prefill" in workloads:
             run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
         llm.stop_profile()  # writes the trace (gzip) and the kernel table
@@ -352,6 +352,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,64,256; also the capture sizes)")
     ap.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     ap.add_argument("--profile", action="store_true", help="also record a torch-profiler trace per worker")
+    ap.add_argument("--profile-batch", type=int, default=None,
+                    help="batch of the profiled decode run (default: the largest of --batches)")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -385,7 +387,7 @@ def main() -> None:
                            out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
-                           workloads=args.workloads.split(","),
+                           workloads=args.workloads.split(","), profile_batch=args.profile_batch,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
                            if args.profile else None)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")

@@ -12,7 +12,8 @@ for each class the script prints, averaged over its steps:
            profiler attributes graph kernels to their cudaGraphLaunch)
   span     first kernel start to last kernel end of those kernels
 plus the top kernels (device µs per step) and the top CPU ops by self time (µs per step) of that class.
-Kernel names are shortened; decode steps of different batch sizes are kept apart by their request count.
+Kernel names are shortened; decode steps of different batch sizes are kept apart by their request count, and
+prefill steps by their prompt count.
 """
 
 import argparse
@@ -69,11 +70,13 @@ def analyse(events: list, top: int) -> str:
         if e.get("ph") == "X" and e.get("cat") == "user_annotation":
             m = STEP.fullmatch(e["name"])
             if m:
-                _, ctx_t, gen_r, gen_t = map(int, m.groups())
+                ctx_r, ctx_t, gen_r, gen_t = map(int, m.groups())
                 if ctx_t == 0 and gen_t == 0:
                     continue  # empty step (run end)
                 kind = "decode" if ctx_t == 0 else "prefill" if gen_t == 0 else "mixed"
-                key = f"{kind} b{gen_r}" if kind == "decode" else kind
+                # Decode steps by batch, prefill steps by prompt count (a 1 x 512 first step and the 2 x 4 096 steps
+                # of the prefill-heavy run are different animals).
+                key = f"decode b{gen_r}" if kind == "decode" else f"prefill r{ctx_r}" if kind == "prefill" else kind
                 steps.append(dict(key=key, ts=e["ts"], dur=e["dur"], end=e["ts"] + e["dur"], tid=e.get("tid"),
                                   tokens=ctx_t + gen_t))
     steps.sort(key=lambda s: s["ts"])
