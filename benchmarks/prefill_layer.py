@@ -218,6 +218,41 @@ def measure(run, dev, iters: int, rows: int):
                 host_ops=host_ops if dev.type == "cuda" else [])
 
 
+def host_profile(run, dev, iters: int, rows: int) -> str:
+    """Where one layer's host time goes. (1) Synchronising CUDA calls: the call runs once under torch's sync debug
+    mode "error", which raises at the first operation that waits for the GPU (a host time that grows with the
+    device time would mean one); (2) cProfile of ``iters`` calls: Python functions by own and by cumulative time
+    (cProfile's overhead inflates every call alike)."""
+    import cProfile
+    import pstats
+
+    lines = []
+    if dev.type == "cuda":
+        sync(dev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+            lines.append("sync debug: no synchronising CUDA call in one layer")
+        except RuntimeError:
+            lines.append("sync debug: SYNCHRONISING CALL:\n" + "".join(traceback.format_exc().splitlines(True)[-14:]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        run()
+    prof.disable()
+    sync(dev)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, own s, cumulative s, callers)
+    for col, label in ((2, "own"), (3, "cumulative")):
+        lines.append(f"cProfile, per layer, by {label} time: own us | cumulative us | calls | function")
+        for (fn, line, name), v in sorted(stats.items(), key=lambda kv: -kv[1][col])[:rows]:
+            where = f"{os.path.basename(fn)}:{line}({name})" if line else name
+            lines.append(f"    {v[2] / iters * 1e6:8.1f} {v[3] / iters * 1e6:9.1f} {v[1] / iters:6.1f}  {where[:90]}")
+    return "\n".join(lines)
+
+
 def compare(layer, step, runs, dtype, dev):
     """One call of each implementation from identical pools: max |difference| of outputs and written states
     against the first implementation's."""
@@ -246,6 +281,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=15)
     ap.add_argument("--out", default=None, help="append one JSON line per layout and implementation")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also: synchronising calls (CUDA) and a cProfile of the layer's Python host time")
     args = ap.parse_args()
     impls = args.impls.split(",")
     unknown = [i for i in impls if i not in RUNNERS]
@@ -288,6 +325,9 @@ def main():
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps(r) + "\n")
+                if args.host_profile:
+                    print(f"{args.model} {impl:>6} {spec:>9} host profile:\n{host_profile(run, dev, args.iters, args.rows)}",
+                          flush=True)
             if len(runs) > 1:
                 diffs = compare(layer, step, runs, dtype, dev)
                 print(f"{args.model} {spec:>9} max |difference| from identical pools: {json.dumps(diffs)}", flush=True)
