@@ -29,6 +29,11 @@
 # chunked or full_decode' 277 s; throughput.py --models 2.7b --batches 256 --workloads decode --profile (both) 400 s
 # (start-ups 129 + 121 s, profiled runs 42 + 36 s); the same with --ssm-dtype float32 (no profile) 307 s;
 # prefill_layer.py --model 2.7b on a cold Triton cache: over 100 s for its first row alone.
+# Tenth session: setup 55-66 s; tests/kernels -k 'lone or warm or launch or chunked or padding' (99) 134 s; tests/gpu
+# -k chunked (one engine test) 174-179 s; benchmarks/ssd_autotune.py --models 2.7b (both tunes) 190 s; prefill_layer.py
+# --model 2.7b --impls plugin,intree --layouts 16x512,2x4096 --host-profile 157 s (cold Triton cache). The 130m graph
+# throughput run (both impls) did not fit after either of those (start-ups 116-143 s plugin, 109 s in-tree): give it
+# a call of its own (~310 s). A start refused for want of a machine cost 90 s of budget.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #

@@ -211,7 +211,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=dev)
                      for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
 
-    def _warm_prefill_layouts(self, max_rerun: int):
+    def _warm_prefill_layouts(self, max_rerun: int, tokens: int = 0):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
         path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
         sequence is shorter than W-1; one resumed sequence opening the batch, through the packed call's own
@@ -219,9 +219,15 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
         a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
         (On the H200, with only a 37-token rerun warmed, vLLM's JIT monitor still saw four SSD kernels compile
-        during serving of a 7b-shape run: benchmarks/RESULTS.md.)"""
+        during serving of a 7b-shape run: benchmarks/RESULTS.md.)
+        First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: two
+        fresh prompts filling it. mamba-ssm's SSD kernels are autotuned once per key of head, state and chunk
+        sizes -- not length -- on the arguments of their first call, and that choice then serves every step;
+        tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
+        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session)."""
         cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
-        return [
+        budget = [([tokens // 2, tokens - tokens // 2], [False, False])] if tokens > 2 * cs else []
+        return budget + [
             ([cs // 2, cs + cs // 2], [False, False]),
             ([cs + 5, 2], [False, False]),
             ([37, cs], [True, False]),
@@ -244,7 +250,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             return
         k = get_kernels(projected.device)
         dev = projected.device
-        layouts = self._warm_prefill_layouts(k.SEPARATE_RESUMED_MAX)
+        layouts = self._warm_prefill_layouts(k.SEPARATE_RESUMED_MAX, projected.shape[0])
         num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
         conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
         for lengths, resumed in layouts:

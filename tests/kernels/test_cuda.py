@@ -937,13 +937,15 @@ def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
         return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)
 
 
+@pytest.mark.parametrize("profile_tokens", [3, 165], ids=["small-profile-run", "profile-run-over-2-chunks"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
+def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens, monkeypatch):
     """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
     fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), a lone resumed sequence that
     opens the batch (the packed call's own initial state), up to SEPARATE_RESUMED_MAX
     resumed sequences (each rerun alone with its initial state), more (batched correction); once per layer
-    signature. On "cuda" this compiles and autotunes the real kernels."""
+    signature. When the profile run's batch is longer than two chunks, the FIRST call (the one the SSD kernels'
+    autotuners decide on) packs that many tokens. On "cuda" this compiles and autotunes the real kernels."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
@@ -964,19 +966,22 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, monkeypatch):
     monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append((x.shape[1], kw.get("initial_states")
                                                                           is not None)), real(x, *a, **kw))[1])
     launched = record_conv_launches(monkeypatch)
-    projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
+    projected = torch.zeros(profile_tokens, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
 
     layer._warm_prefill_kernels(projected)
     # packed calls of the five layouts: the third's lone first resumed sequence through the call's own initial
-    # state, the fourth's three resumed ones rerun (each with its own initial state)
-    assert calls == [(2 * cs, False), (cs + 7, False), (37 + cs, True), (cs + 86, False), (37, True), (48, True),
-                     (1, True), (80, False)]
+    # state, the fourth's three resumed ones rerun (each with its own initial state); first, for a profile run of
+    # more than two chunks, two fresh prompts of its whole token count
+    first = [(profile_tokens, False)] if profile_tokens > 2 * cs else []
+    assert calls == first + [(2 * cs, False), (cs + 7, False), (37 + cs, True), (cs + 86, False), (37, True),
+                             (48, True), (1, True), (80, False)]
+    n = len(calls)
     assert len(launched) >= 5
     layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
-    assert len(calls) == 8
+    assert len(calls) == n
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, BF16))  # another SSM state dtype: warms again
     layer._warm_prefill_kernels(projected)
-    assert len(calls) == 16
+    assert len(calls) == 2 * n
 
 
 def _ssu_specialisations(batches, H, P, N, state_dtype):
