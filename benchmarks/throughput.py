@@ -198,6 +198,10 @@ def worker(args) -> None:
         kwargs["gpu_memory_utilization"] = 0.85
     if job["mode"] == "graph":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(DECODE["batches"]))}
+    if job.get("jit_verbose"):
+        # vLLM's JIT monitor then logs each compile during serving with its signature and constexprs: which
+        # specialisation the start-up warm-ups missed.
+        kwargs["jit_monitor_verbose"] = True
     if job.get("profile_dir"):
         # Stack and shapes off: the trace stays a few MB. Front-end not profiled: the engine core is what runs
         # the model. Nothing is recorded until start_profile().
@@ -354,6 +358,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also record a torch-profiler trace per worker")
     ap.add_argument("--profile-batch", type=int, default=None,
                     help="batch of the profiled decode run (default: the largest of --batches)")
+    ap.add_argument("--jit-verbose", action="store_true",
+                    help="vLLM's JIT monitor logs each compile during serving with its signature (worker logs)")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -388,6 +394,7 @@ def main() -> None:
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
                            workloads=args.workloads.split(","), profile_batch=args.profile_batch,
+                           jit_verbose=args.jit_verbose,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
                            if args.profile else None)
                 log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
