@@ -133,6 +133,7 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
         layer.conv_ssm_forward(step["projected"], out)
         return out
 
+    run.build = lambda: builder.build(0, cam)  # for --host-profile: where the per-step metadata build's time goes
     return run, build_us
 
 
@@ -222,7 +223,7 @@ def host_profile(run, dev, iters: int, rows: int) -> str:
     """Where one layer's host time goes. (1) Synchronising CUDA calls: the call runs once under torch's sync debug
     mode "error", which raises at the first operation that waits for the GPU (a host time that grows with the
     device time would mean one); (2) cProfile of ``iters`` calls: Python functions by own and by cumulative time
-    (cProfile's overhead inflates every call alike)."""
+    (cProfile's overhead inflates every call alike); (3) the same for the plugin's per-step metadata build."""
     import cProfile
     import pstats
 
@@ -238,18 +239,20 @@ def host_profile(run, dev, iters: int, rows: int) -> str:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         sync(dev)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        run()
-    prof.disable()
-    sync(dev)
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, own s, cumulative s, callers)
-    for col, label in ((2, "own"), (3, "cumulative")):
-        lines.append(f"cProfile, per layer, by {label} time: own us | cumulative us | calls | function")
-        for (fn, line, name), v in sorted(stats.items(), key=lambda kv: -kv[1][col])[:rows]:
-            where = f"{os.path.basename(fn)}:{line}({name})" if line else name
-            lines.append(f"    {v[2] / iters * 1e6:8.1f} {v[3] / iters * 1e6:9.1f} {v[1] / iters:6.1f}  {where[:90]}")
+    parts = [("layer", run)] + ([("metadata build", run.build)] if hasattr(run, "build") else [])
+    for what, fn in parts:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(iters):
+            fn()
+        prof.disable()
+        sync(dev)
+        stats = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, own s, cumulative s, callers)
+        for col, label in ((2, "own"), (3, "cumulative")):
+            lines.append(f"cProfile of the {what}, per call, by {label} time: own us | cumulative us | calls | function")
+            for (fn_, line, name), v in sorted(stats.items(), key=lambda kv: -kv[1][col])[:rows]:
+                where = f"{os.path.basename(fn_)}:{line}({name})" if line else name
+                lines.append(f"    {v[2] / iters * 1e6:8.1f} {v[3] / iters * 1e6:9.1f} {v[1] / iters:6.1f}  {where[:90]}")
     return "\n".join(lines)
 
 
