@@ -567,6 +567,7 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
     launched = record_conv_launches(monkeypatch)
     plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)
+    assert plan.conv[W - 1].tok_row is None, "prompts that can be read in place: no extended rows built up front"
     out_r, fin_r = ref.causal_conv1d(x, w, b, cu, None, None, activation="silu")
     for kw in (dict(plan=None), dict(plan=plan), dict(initial_states=init, has_initial_state=hi, plan=plan)):
         launched.clear()
@@ -575,6 +576,8 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
         assert out.dtype == dtype and fin.dtype == dtype and out.is_contiguous()
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out ({list(kw)})")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+    # Rows the kernel cannot read in place: the extended rows were built on demand, once, into the shared plan.
+    assert (plan.conv[W - 1].tok_row is None) == (row_pad == 0)
 
 
 def _conv_resumed_runs(kern, dims, dtype, lens, flags, seed, monkeypatch):

@@ -410,6 +410,7 @@ def causal_conv1d(
         # Final states: each sequence's last K inputs (>= K tokens each, so never the saved state).
         return y, x.index_select(0, cp.last_row).view(S, K, Dm)
 
+    cp = conv_plan(plan, K, extended=True)
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, dev)
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=dev)  # fresh, contiguous: 16-byte aligned rows

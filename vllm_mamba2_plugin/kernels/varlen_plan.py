@@ -23,17 +23,22 @@ import torch
 
 @dataclass
 class ConvPlan:
-    """Extended-buffer layout of ``cuda.causal_conv1d`` (see its docstring): E = T + S*K rows."""
+    """Layouts of ``cuda.causal_conv1d`` (see its docstring) for conv state width K.
+
+    In place (x read directly): only ``last_row``. The extended buffer (E = T + S*K rows) needs the four row
+    tensors below; they are built with the plan when the step cannot be read in place, and otherwise only on
+    demand (``conv_plan(..., extended=True)``, once per step, cached here): most prefill steps never use them, and
+    building them cost about half of a step's plan on the host (T-sized index arrays, a T-sized upload)."""
 
     K: int
     E: int
-    tok_row: torch.Tensor  # (T,) long: row of each token in the extended buffer
-    state_row: torch.Tensor  # (S*K,) long: rows of each sequence's K initial-state inputs
-    seq_idx: torch.Tensor  # (E,) int32: sequence id of every row, -1 for padding tokens
-    final_row: torch.Tensor  # (S*K,) long: the last K rows of each [init_s, seq_s] block
     # The in-place layout of fresh prompts (x read directly, no extended buffer):
     in_place: bool  # host: cu[0] == 0, cu[S] == T (no padding) and every sequence has >= K tokens
     last_row: torch.Tensor  # (S*K,) long: the last K tokens of each sequence in x (valid when in_place)
+    tok_row: Optional[torch.Tensor] = None  # (T,) long: row of each token in the extended buffer
+    state_row: Optional[torch.Tensor] = None  # (S*K,) long: rows of each sequence's K initial-state inputs
+    seq_idx: Optional[torch.Tensor] = None  # (E,) int32: sequence id of every row, -1 for padding tokens
+    final_row: Optional[torch.Tensor] = None  # (S*K,) long: the last K rows of each [init_s, seq_s] block
 
 
 @dataclass
@@ -62,7 +67,8 @@ class VarlenPlan:
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
     nonempty_dev: torch.Tensor  # (S',) long
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
-    conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; filled by ``conv_plan``
+    conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
+    device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
 
     @property
     def S(self) -> int:
@@ -155,13 +161,16 @@ def build_plan(
     in_place = {}
     for W in conv_widths:
         K = W - 1
-        host.update({f"c{K}_{k}": v for k, v in _conv_host(cu, num_tokens, K).items()})
         in_place[K] = S > 0 and cu[0] == 0 and cu[-1] == num_tokens and min(b - a for a, b in zip(cu, cu[1:])) >= K
+        host[f"c{K}_last_row"] = _conv_last_rows(cu, K)
+        if not in_place[K]:  # the extended buffer will be needed: in the same upload
+            host.update({f"c{K}_{k}": v for k, v in _conv_ext_host(cu, num_tokens, K).items()})
 
     dev = _upload(host, device)
     plan = VarlenPlan(
         cu=cu, init_flags=flags, T=num_tokens, nonempty=ne,
         cu_k=dev["cu_k"].to(torch.int32), seq_idx=dev["seq_idx"].to(torch.int32), nonempty_dev=dev["nonempty"],
+        device=device,
     )
     if init_pos:
         plan.init = InitCorrectionPlan(
@@ -170,15 +179,24 @@ def build_plan(
         )
     for W in conv_widths:
         K = W - 1
-        plan.conv[K] = ConvPlan(
-            K=K, E=num_tokens + S * K, tok_row=dev[f"c{K}_tok_row"], state_row=dev[f"c{K}_state_row"],
-            seq_idx=dev[f"c{K}_seq_idx"].to(torch.int32), final_row=dev[f"c{K}_final_row"],
-            in_place=in_place[K], last_row=dev[f"c{K}_last_row"],
-        )
+        cp = ConvPlan(K=K, E=num_tokens + S * K, in_place=in_place[K], last_row=dev[f"c{K}_last_row"])
+        if f"c{K}_tok_row" in dev:
+            _set_ext(cp, {k: dev[f"c{K}_{k}"] for k in ("tok_row", "state_row", "seq_idx", "final_row")})
+        plan.conv[K] = cp
     return plan
 
 
-def _conv_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
+def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:
+    cp.tok_row, cp.state_row, cp.final_row = ext["tok_row"], ext["state_row"], ext["final_row"]
+    cp.seq_idx = ext["seq_idx"].to(torch.int32)
+
+
+def _conv_last_rows(cu: List[int], K: int) -> torch.Tensor:
+    """(S*K,) the last K token rows of each sequence (clamped at 0; valid for sequences of >= K tokens)."""
+    return (torch.tensor(cu[1:], dtype=torch.long)[:, None] - K + torch.arange(K)[None, :]).clamp(min=0).reshape(-1)
+
+
+def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     """Rows of the extended buffer [init_0, seq_0, init_1, seq_1, ...] (cu must start at 0):
     row(init_s[j]) = cu[s] + s*K + j; row(token t of seq s) = t + (s+1)*K; padding token t >= cu[S] -> t + S*K."""
     S = len(cu) - 1
@@ -193,13 +211,16 @@ def _conv_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     seq_idx[state_row] = s_ar.repeat_interleave(K)
     end_row = cu_t[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
     final_row = (end_row[:, None] - K + torch.arange(K)[None, :]).reshape(-1)
-    last_row = (cu_t[1:, None] - K + torch.arange(K)[None, :]).clamp(min=0).reshape(-1)
-    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row,
-            "last_row": last_row}
+    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row}
 
 
-def conv_plan(plan: VarlenPlan, K: int) -> ConvPlan:
+def conv_plan(plan: VarlenPlan, K: int, extended: bool = False) -> ConvPlan:
+    """The plan's conv layout for state width K; ``extended=True`` also guarantees the extended-buffer rows
+    (built and uploaded here, once per plan, if the step was expected to read x in place)."""
     if K not in plan.conv:
         raise ValueError(f"this VarlenPlan has no conv layout for width {K + 1} (built for widths "
                          f"{sorted(k + 1 for k in plan.conv)})")
-    return plan.conv[K]
+    cp = plan.conv[K]
+    if extended and cp.tok_row is None:
+        _set_ext(cp, _upload(_conv_ext_host(plan.cu, plan.T, K), plan.device))
+    return cp
