@@ -224,7 +224,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         fresh prompts filling it. mamba-ssm's SSD kernels are autotuned once per key of head, state and chunk
         sizes -- not length -- on the arguments of their first call, and that choice then serves every step;
         tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
-        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session)."""
+        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session). Its intermediates are
+        allocated inside the profile run that sizes the state pools, as a real step of that size allocates them."""
         cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
         budget = [([tokens // 2, tokens - tokens // 2], [False, False])] if tokens > 2 * cs else []
         return budget + [
