@@ -270,14 +270,17 @@ def ssd_chunk_scan(
         """The forward over tokens [a, b) as one batch row (1, b-a, ...); dt raw (softplus + limit inside) or
         processed. Returns (out, out_x, dt, dA_cumsum, states, final_states[, varlen_states])
         (ssd_combined.py:343-393)."""
-        return k.ssd_fwd(x[a:b].unsqueeze(0), dt[a:b].unsqueeze(0), A, B[a:b].unsqueeze(0), C[a:b].unsqueeze(0),
+        def rows(t):  # t[a:b] as one batch row; no slice op when that is all of t (the mixer's usual case)
+            return (t if a == 0 and b == t.shape[0] else t[a:b]).unsqueeze(0)
+
+        return k.ssd_fwd(rows(x), rows(dt), A, rows(B), rows(C),
                          int(chunk_size), D=D, dt_bias=dt_bias, dt_softplus=raw,
                          dt_limit=dt_limit if raw else (0.0, float("inf")), **kw)
 
     # seq_idx: int32 0..S'-1, the kernels only compare ids (ssd_bmm.py:84-88)
     native = _native_first(plan, initial_states)
     first = plan.nonempty[0]
-    res = fwd(lo, hi, seq_idx=plan.seq_idx.unsqueeze(0), cu_seqlens=plan.cu_k,
+    res = fwd(lo, hi, seq_idx=plan.seq_idx_row, cu_seqlens=plan.cu_k,
               **({"initial_states": initial_states[first: first + 1]} if native else {}))
     out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
 
@@ -398,7 +401,7 @@ def causal_conv1d(
         # (causal_conv1d_fwd.cu:237, 304-312): no rerun.
         native = _native_first(plan, initial_states)
         init0 = initial_states[0].to(x.dtype).t().unsqueeze(0) if native else None  # (1, D, K), unit channel stride
-        out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx, silu, init0)
+        out = _conv_fwd(k, x.t().unsqueeze(0), weight, bias, plan.seq_idx_row, silu, init0)
         y = out[0].t()
         for s in [] if native else resumed:
             # Only a resumed sequence's first K outputs read its saved state (every sequence has >= K tokens
@@ -416,7 +419,7 @@ def causal_conv1d(
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=dev)  # fresh, contiguous: 16-byte aligned rows
     ext[cp.tok_row] = x
     ext[cp.state_row] = init.reshape(S * K, Dm)
-    out = _conv_fwd(k, ext.t().unsqueeze(0), weight, bias, cp.seq_idx, silu)
+    out = _conv_fwd(k, ext.t().unsqueeze(0), weight, bias, cp.seq_idx.unsqueeze(0), silu)
     y = out[0].t()[cp.tok_row]  # (T, D); padding tokens are 0
     final = ext[cp.final_row].view(S, K, Dm)
     return y, final
@@ -426,13 +429,12 @@ def _conv_fwd(k, xv: torch.Tensor, weight, bias, seq_idx: Optional[torch.Tensor]
               initial_states: Optional[torch.Tensor] = None) -> torch.Tensor:
     """causal-conv1d's forward extension called directly, as its ``causal_conv1d_fn`` would (no autograd
     Function, no custom-op dispatch: host time per layer matters in prefill). xv: (1, D, L) channel-last view;
-    seq_idx: (L,) int32 contiguous (causal_conv1d.cpp:195-198) or None; initial_states: (1, D, K) with unit
+    seq_idx: (1, L) int32 contiguous (causal_conv1d.cpp:195-198) or None; initial_states: (1, D, K) with unit
     channel stride, xv's dtype, or None. The output is allocated channel-last, (1, D, L) with strides
     (L*D, 1, D): the channel-last kernel writes channels at unit stride (causal_conv1d_fwd.cu:233)."""
     L, Dm = xv.shape[2], xv.shape[1]
     out = torch.empty(1, L, Dm, dtype=xv.dtype, device=xv.device).transpose(1, 2)
-    k.conv_fwd(xv, weight, bias, None if seq_idx is None else seq_idx.unsqueeze(0), initial_states, out, None,
-               silu)
+    k.conv_fwd(xv, weight, bias, seq_idx, initial_states, out, None, silu)
     return out
 
 

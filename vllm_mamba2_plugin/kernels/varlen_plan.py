@@ -71,6 +71,15 @@ class VarlenPlan:
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
 
     @property
+    def seq_idx_row(self) -> torch.Tensor:
+        """seq_idx as the kernels' one batch row, (1, Tu): made once per step, not once per layer."""
+        if self._seq_idx_row is None:
+            self._seq_idx_row = self.seq_idx.unsqueeze(0)
+        return self._seq_idx_row
+
+    _seq_idx_row: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
     def S(self) -> int:
         return len(self.cu) - 1
 
