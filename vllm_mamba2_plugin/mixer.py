@@ -135,7 +135,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         if meta.num_prefills == 0:  # decode-only step (every FULL-graph step)
             y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                   meta.state_indices_d_i32)
-            self._gated_norm(k, y, z, out=out[:n_tok])
+            self._gated_norm(k, y, z, out=_rows(out, 0, n_tok))
         else:
             # Decode rows and prefill rows are normed separately, each straight into its rows of out: one more
             # norm launch instead of concatenating the two outputs (a copy of every token's d_inner outputs per
