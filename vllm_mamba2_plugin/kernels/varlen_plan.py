@@ -65,19 +65,11 @@ class VarlenPlan:
     # device
     cu_k: torch.Tensor  # (S'+1,) int32 bounds of the non-empty sequences, relative to cu[0]
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
+    seq_idx_row: torch.Tensor  # (1, Tu) view of seq_idx: the kernels' one batch row, made once per step
     nonempty_dev: torch.Tensor  # (S',) long
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
-
-    @property
-    def seq_idx_row(self) -> torch.Tensor:
-        """seq_idx as the kernels' one batch row, (1, Tu): made once per step, not once per layer."""
-        if self._seq_idx_row is None:
-            self._seq_idx_row = self.seq_idx.unsqueeze(0)
-        return self._seq_idx_row
-
-    _seq_idx_row: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def S(self) -> int:
@@ -176,10 +168,10 @@ def build_plan(
             host.update({f"c{K}_{k}": v for k, v in _conv_ext_host(cu, num_tokens, K).items()})
 
     dev = _upload(host, device)
+    seq_idx = dev["seq_idx"].to(torch.int32)
     plan = VarlenPlan(
-        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne,
-        cu_k=dev["cu_k"].to(torch.int32), seq_idx=dev["seq_idx"].to(torch.int32), nonempty_dev=dev["nonempty"],
-        device=device,
+        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, cu_k=dev["cu_k"].to(torch.int32), seq_idx=seq_idx,
+        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], device=device,
     )
     if init_pos:
         plan.init = InitCorrectionPlan(
