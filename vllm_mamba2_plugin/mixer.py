@@ -21,6 +21,7 @@ from torch import nn
 from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels, reference
+from .kernels.reference import row_range
 from .spec import Mamba2StateSpec
 
 OP_NAME = "mamba2_plugin_mixer"
@@ -130,12 +131,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         k = get_kernels(projected.device)
         conv_state, ssm_state = compat.layer_states(self)
         nd, n_tok = meta.num_decode_tokens, meta.num_actual_tokens
-        z, xBC, dt = self._split_projection(_rows(projected, 0, n_tok))
+        z, xBC, dt = self._split_projection(row_range(projected, 0, n_tok))
 
         if meta.num_prefills == 0:  # decode-only step (every FULL-graph step)
             y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                   meta.state_indices_d_i32)
-            self._gated_norm(k, y, z, out=_rows(out, 0, n_tok))
+            self._gated_norm(k, y, z, out=row_range(out, 0, n_tok))
         else:
             # Decode rows and prefill rows are normed separately, each straight into its rows of out: one more
             # norm launch instead of concatenating the two outputs (a copy of every token's d_inner outputs per
@@ -144,10 +145,10 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                 y_d = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
                                         meta.state_indices_d_i32)
                 self._gated_norm(k, y_d, z[:nd], out=out[:nd])
-            y_p = self._prefill_step(k, _rows(xBC, nd, n_tok), _rows(dt, nd, n_tok), conv_state, ssm_state,
+            y_p = self._prefill_step(k, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state, ssm_state,
                                      meta.state_indices_p, meta.query_start_loc_p, meta.has_initial_state_p,
                                      meta.any_initial_state_p, meta.prefill_plan)
-            self._gated_norm(k, y_p, _rows(z, nd, n_tok), out=_rows(out, nd, n_tok))
+            self._gated_norm(k, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
         if out.shape[0] > n_tok:
             out[n_tok:] = 0
 
@@ -291,12 +292,6 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         Mamba2Mixer._warm_decode_signatures.add(sig)
-
-
-def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """t[a:b], without a slice op when that is all of t (a prefill-only step without padding): prefill steps are
-    host-bound, and each torch op costs a few microseconds of host time per layer."""
-    return t if a == 0 and b == t.shape[0] else t[a:b]
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -67,7 +67,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import reference
-from .reference import _select_initial, process_dt  # noqa: F401  (process_dt is part of the interface)
+from .reference import _select_initial, process_dt, row_range  # noqa: F401  (process_dt is part of the interface)
 from .varlen_plan import InitCorrectionPlan, VarlenPlan, build_plan, conv_plan
 
 __all__ = [
@@ -270,8 +270,8 @@ def ssd_chunk_scan(
         """The forward over tokens [a, b) as one batch row (1, b-a, ...); dt raw (softplus + limit inside) or
         processed. Returns (out, out_x, dt, dA_cumsum, states, final_states[, varlen_states])
         (ssd_combined.py:343-393)."""
-        def rows(t):  # t[a:b] as one batch row; no slice op when that is all of t (the mixer's usual case)
-            return (t if a == 0 and b == t.shape[0] else t[a:b]).unsqueeze(0)
+        def rows(t):  # t[a:b] as one batch row
+            return row_range(t, a, b).unsqueeze(0)
 
         return k.ssd_fwd(rows(x), rows(dt), A, rows(B), rows(C),
                          int(chunk_size), D=D, dt_bias=dt_bias, dt_softplus=raw,

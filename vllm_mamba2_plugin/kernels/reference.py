@@ -80,6 +80,12 @@ def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, 
     return None
 
 
+def row_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """t[a:b], without a slice op when that is all of t (a prefill-only step without padding, the usual case):
+    prefill steps are host-bound, and each torch op costs a few microseconds of host time per layer."""
+    return t if a == 0 and b == t.shape[0] else t[a:b]
+
+
 def _select_initial(
     initial_states: Optional[torch.Tensor],
     has_initial_state: Optional[torch.Tensor],
