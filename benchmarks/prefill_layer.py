@@ -3,6 +3,7 @@
     python benchmarks/prefill_layer.py --model 130m --layouts 16x512,2x4096,16x512r --out $OUT/prefill_layer.jsonl
     python benchmarks/prefill_layer.py --model tiny --layouts 4x32,4x32r --device cpu     # smoke (reference kernels)
     python benchmarks/prefill_layer.py --model 130m --impls plugin,intree                 # + vLLM's own kernels (CUDA)
+    python benchmarks/prefill_layer.py --model 2.7b --impls plugin,plugin-triton-launch   # FastLaunch A/B (CUDA)
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -137,6 +138,31 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     return run, build_us
 
 
+def plugin_triton_launch_runner(layer: Mamba2Mixer, step, dev, holder):
+    """The plugin's path with every SSD kernel launched through Triton's ``Autotuner.run`` (as with
+    VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0): the A/B of kernels/triton_launch.py's FastLaunch in one process. The
+    autotuners go back to mamba-ssm's call sites for the duration of each call (12 setattr: ~2 us)."""
+    from vllm_mamba2_plugin.kernels import cuda as ck
+    from vllm_mamba2_plugin.kernels import triton_launch as tl
+
+    ck._kernels()
+    run, build_us = plugin_runner(layer, step, dev, holder)
+    sites = [(sys.modules[m], n) for m, names in tl.FORWARD_KERNELS.items() for n in names]
+
+    def run_through_autotuners():
+        placed = [getattr(m, n) for m, n in sites]
+        for (m, n), v in zip(sites, placed):
+            setattr(m, n, tl.unwrap(v))
+        try:
+            return run()
+        finally:
+            for (m, n), v in zip(sites, placed):
+                setattr(m, n, v)
+
+    run_through_autotuners.build = run.build
+    return run_through_autotuners, build_us
+
+
 def intree_runner(layer: Mamba2Mixer, step, dev, holder):
     """vLLM's in-tree MambaMixer2 prefill kernels (vLLM 0.26 signatures) on the same weights, inputs and pools."""
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
@@ -182,7 +208,7 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
     return run, build_us
 
 
-RUNNERS = {"plugin": plugin_runner, "intree": intree_runner}
+RUNNERS = {"plugin": plugin_runner, "plugin-triton-launch": plugin_triton_launch_runner, "intree": intree_runner}
 
 
 def sync(dev):

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prefill_layer as pl  # noqa: E402
 
 from vllm_mamba2_plugin import compat  # noqa: E402
+from vllm_mamba2_plugin.kernels import triton_launch  # noqa: E402
 from vllm_mamba2_plugin.mixer import Mamba2Mixer  # noqa: E402
 
 TUNER_MODULES = {
@@ -51,8 +52,21 @@ def autotuners(impl: str) -> dict:
     out = {}
     for m in TUNER_MODULES[impl]:
         mod = importlib.import_module(m)
-        out.update({f"{m.rsplit('.', 1)[1]}.{n}": v for n, v in vars(mod).items() if isinstance(v, Autotuner)})
+        tuners = {n: triton_launch.unwrap(v) for n, v in vars(mod).items()}  # the plugin's FastLaunch call sites
+        out.update({f"{m.rsplit('.', 1)[1]}.{n}": v for n, v in tuners.items() if isinstance(v, Autotuner)})
     return out
+
+
+def use_configs(tuners: dict, which: str) -> None:
+    """The plugin's SSD autotuners on mamba-ssm's own config lists ("upstream") or with vLLM's configs added
+    ("extended", the plugin's default: kernels/triton_launch.py)."""
+    for name, t in tuners.items():
+        kernel = name.rsplit(".", 1)[1]
+        if kernel in triton_launch.EXTRA_CONFIGS:
+            up = triton_launch.UPSTREAM_CONFIGS.get(kernel, t.configs)
+            t.configs[:] = list(up)
+            if which == "extended":
+                triton_launch._extend(t, kernel)
 
 
 def reset(tuners: dict) -> None:
@@ -89,6 +103,9 @@ def main():
     ap.add_argument("--tunes", default="engine,2x4096")
     ap.add_argument("--layouts", default="2x4096,16x512,1x512")
     ap.add_argument("--impls", default="plugin,intree")
+    ap.add_argument("--configs", default="extended",
+                    help="the plugin's SSD config lists to tune over: upstream (mamba-ssm's), extended (+ vLLM's), "
+                         "or both, comma-separated (in-tree always uses vLLM's own)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--out", default=None, help="append one JSON line per measurement")
@@ -96,28 +113,37 @@ def main():
     dev, dtype = torch.device("cuda"), torch.bfloat16
     impls = args.impls.split(",")
     holder = [None]
+    if "plugin" in impls:
+        from vllm_mamba2_plugin.kernels import cuda as ck
+
+        ck._kernels()  # imports mamba-ssm and installs the plugin's launch path and config lists
+    variants = [(impl, cfg) for impl in impls for cfg in (args.configs.split(",") if impl == "plugin" else ["-"])]
     with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
         for model in args.models.split(","):
             layer = pl.make_layer(model, dtype, dev)
             for tspec in args.tunes.split(","):
-                for impl in impls:
+                for impl, cfg in variants:
                     tuners = autotuners(impl)
+                    if impl == "plugin":
+                        use_configs(tuners, cfg)
                     reset(tuners)
                     tune(impl, tspec, layer, dtype, dev, holder)
-                    print(f"## {model} {impl} tuned on {tspec}: {json.dumps(chosen(tuners))}", flush=True)
+                    print(f"## {model} {impl} ({cfg} configs) tuned on {tspec}: {json.dumps(chosen(tuners))}",
+                          flush=True)
                     for spec in args.layouts.split(","):
                         S, L, resumed = pl.parse_layout(spec)
                         step = pl.make_step(layer, S, L, resumed, dtype, dev)
                         layer.kv_cache = pl.fresh_pools(step, dtype, dev)
                         run, _ = pl.RUNNERS[impl](layer, step, dev, holder)
                         r = pl.measure(run, dev, args.iters, args.rows)
-                        print(f"{model} {impl:>6} tuned {tspec:>7} | {spec:>8}: device {r['device_us_per_layer']} us, "
+                        print(f"{model} {impl:>6} {cfg:>8} tuned {tspec:>7} | {spec:>8}: device {r['device_us_per_layer']} us, "
                               f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us per layer", flush=True)
                         for name, us, count in r["kernels"]:
                             print(f"    {us:9.1f} us  x{count:<3} {name}")
                         if args.out:
                             with open(args.out, "a") as f:
-                                f.write(json.dumps(dict(model=model, impl=impl, tuned_on=tspec, layout=spec,
+                                f.write(json.dumps(dict(model=model, impl=impl, configs=cfg, tuned_on=tspec,
+                                                        layout=spec,
                                                         **{k: v for k, v in r.items() if k != "host_ops"})) + "\n")
 
 

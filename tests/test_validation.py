@@ -38,6 +38,20 @@ def test_unsupported_engine_option_is_refused_at_config_time(name, tiny_dir):
     assert "not supported" in str(err.value)
 
 
+@pytest.mark.parametrize("var, value, pattern", [
+    ("VLLM_MAMBA2_PLUGIN_FAST_LAUNCH", "maybe", "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH='maybe' is not a boolean"),
+    ("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", "all", "VLLM_MAMBA2_PLUGIN_SSD_CONFIGS='all' is not supported"),
+    ("VLLM_MAMBA2_PLUGIN_KERNELS", "triton", "VLLM_MAMBA2_PLUGIN_KERNELS='triton' is not supported"),
+    ("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "2", "FULL_DECODE_GRAPHS='2' is not a boolean"),
+])
+def test_bad_plugin_switch_is_refused_at_config_time(var, value, pattern, tiny_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(Exception, match=pattern):
+        EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()
+
+
 def test_refusal_reaches_the_llm_user(tiny_dir):
     with pytest.raises(Exception, match="vllm-mamba2-plugin: prefix caching"):
         make_llm(tiny_dir, enable_prefix_caching=True)

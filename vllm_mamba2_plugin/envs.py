@@ -11,6 +11,13 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               pieces). Both are token-exact against the recurrence on an H200 (tests/gpu).
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
                               reference elsewhere. "reference": the reference everywhere (debugging, oracles).
+VLLM_MAMBA2_PLUGIN_FAST_LAUNCH
+                              "1" (default): mamba-ssm's autotuned SSD kernels are launched with their tuned
+                              config without Triton's per-call autotuner bookkeeping (kernels/triton_launch.py).
+                              "0": every launch goes through Triton's Autotuner.run.
+VLLM_MAMBA2_PLUGIN_SSD_CONFIGS
+                              "extended" (default): mamba-ssm's SSD autotuners also try the configs of vLLM's
+                              copies of those kernels (kernels/triton_launch.py). "upstream": mamba-ssm's lists.
 """
 
 import os
@@ -44,5 +51,18 @@ def kernel_choice() -> str:
     if value not in ("auto", "reference"):
         raise ValueError(
             f"VLLM_MAMBA2_PLUGIN_KERNELS={value!r} is not supported: use 'auto' or 'reference'"
+        )
+    return value
+
+
+def fast_launch() -> bool:
+    return _flag("VLLM_MAMBA2_PLUGIN_FAST_LAUNCH", True)
+
+
+def ssd_configs() -> str:
+    value = os.environ.get("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", "extended").strip().lower() or "extended"
+    if value not in ("extended", "upstream"):
+        raise ValueError(
+            f"VLLM_MAMBA2_PLUGIN_SSD_CONFIGS={value!r} is not supported: use 'extended' or 'upstream'"
         )
     return value

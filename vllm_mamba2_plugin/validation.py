@@ -8,6 +8,7 @@ Two kinds of check:
   architecture names), so an unsupported option fails before any worker starts, instead of half-running.
 """
 
+from . import envs
 from .compat import VerifyAndUpdateConfig
 
 ERROR_PREFIX = "vllm-mamba2-plugin"
@@ -22,6 +23,8 @@ def _refuse(what: str, fix: str) -> None:
 
 
 def check_engine_options(vllm_config) -> None:
+    # The plugin's environment switches (envs.py): a bad value fails here, in the front-end, not in a worker.
+    envs.full_decode_graphs(), envs.kernel_choice(), envs.fast_launch(), envs.ssd_configs()
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config

@@ -63,6 +63,10 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
         dtp = torch.where(dtp <= 20.0, F.softplus(dtp), dtp)
     dtp = dtp.clamp(min=dt_limit[0], max=dt_limit[1])
     outs, finals, segs = [], [], None
+    nchunks = -(-seqlen // chunk_size)
+    # states: the state entering each chunk after state passing (ssd_state_passing.py:69-84): the state of the
+    # sequence of the previous chunk's last token, through that token; chunk 0's is the initial state (or 0).
+    states = torch.zeros(batch, nchunks, nheads, headdim, dstate)
     for b in range(batch):
         ids = seq_idx[b].long() if seq_idx is not None else torch.zeros(seqlen, dtype=torch.long)
         cuts = (torch.nonzero(ids[1:] != ids[:-1]).view(-1) + 1).tolist()
@@ -75,14 +79,23 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
         y, fin = ref.ssd_chunk_scan(x[b], dtp[b], A, B[b], C[b], chunk_size, torch.tensor(segs), init, has, D)
         outs.append(y)
         finals.append(fin)
+        if initial_states is not None:
+            states[b, 0] = initial_states[b].float()
+        for c in range(1, nchunks):
+            p = c * chunk_size
+            j = max(k for k in range(len(segs) - 1) if segs[k] < p)  # the sequence of token p-1
+            a = segs[j]
+            h = init[:1] if j == 0 and init is not None and bool(has[0]) else None
+            _, f = ref.ssd_chunk_scan(x[b, a:p], dtp[b, a:p], A, B[b, a:p], C[b, a:p], chunk_size,
+                                      torch.tensor([0, p - a]), h, None if h is None else torch.tensor([True]), D)
+            states[b, c] = f[0]
     out = torch.stack(outs).to(x.dtype)
-    nchunks = -(-seqlen // chunk_size)
     dt_out = torch.zeros(batch, nheads, nchunks * chunk_size)
     dt_out[:, :, :seqlen] = dtp.transpose(1, 2)
     dt_out = dt_out.view(batch, nheads, nchunks, chunk_size)
     dA_cumsum = (dt_out * A.float().view(1, nheads, 1, 1)).cumsum(-1)  # within each chunk (ssd_chunk_state.py)
     final_states = torch.stack([f[-1] for f in finals])  # float32 (ssd_state_passing.py:208)
-    res = (out, None, dt_out, dA_cumsum, None, final_states)
+    res = (out, None, dt_out, dA_cumsum, states.to(C.dtype), final_states)  # states in C's dtype (ssd_combined.py:381)
     if cu_seqlens is None:
         return res
     assert batch == 1  # ssd_combined.py:390
@@ -448,6 +461,53 @@ def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, na
     for s in range(len(lens)):
         assert_close(fin2[s], fin_r2[s], 2 * tol(kern, "ssd", BF16), f"final state {s} (raw dt, bf16 pool)")
     assert resume_path.calls == [sum(lens)] * 3, resume_path.calls  # one packed call each, nothing rerun
+
+
+def _aligned_layout(variant, cs):
+    """(lengths, flags): every non-empty sequence but the last ends on a chunk boundary ("unaligned": a control)."""
+    return {
+        "one-fresh": ([cs + 3], [False]),
+        "one-resumed": ([2 * cs + 5], [True]),
+        "fresh": ([cs, 2 * cs, cs + 5], [False, False, False]),
+        "first-resumed": ([2 * cs, cs, 7], [True, False, False]),
+        "resumed-later": ([cs, 0, cs, 3 * cs - 1], [False, True, True, True]),
+        "unaligned": ([cs, cs + 1, 5], [False, True, False]),
+    }[variant]
+
+
+ALIGNED = ["one-fresh", "one-resumed", "fresh", "first-resumed", "resumed-later", "unaligned"]
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["state-f32", "state-bf16"])
+@pytest.mark.parametrize("variant", ALIGNED)
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant, state_dtype, resume_path,
+                                                            monkeypatch):
+    """When every sequence but the last ends where a chunk ends (one sequence always does), the final states are
+    the chunk states that state passing computed: the packed call gets no cu_seqlens (no chunk_state_varlen
+    launch). Outputs and final states against the reference, through every resume path (native first sequence,
+    rerun, correction); the unaligned control still asks for the varlen states."""
+    c = case(kern, name)
+    lens, flags = _aligned_layout(variant, c.cs)
+    x, dt, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=21)
+    h0 = garbage_states(gen(22), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    ns = ck._kernels() if kern.name == "cuda" else FAKE_KERNELS
+    varlen, inner = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda *a, **kw: (varlen.append("cu_seqlens" in kw), inner(*a, **kw))[1])
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    assert (plan.final_chunks is None) == (variant == "unaligned")
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
+    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, state_dtype=state_dtype)
+    assert fin.dtype == state_dtype and fin.shape == fin_r.shape
+    t = tol(kern, "ssd", BF16)
+    assert_close(y, y_r, t, "y")
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+        assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
+    assert varlen[0] == (variant == "unaligned"), varlen  # the packed call; reruns never ask for varlen states
 
 
 @pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])

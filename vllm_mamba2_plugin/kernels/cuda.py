@@ -9,8 +9,10 @@ What each wrapper does, and why (line numbers: mamba-ssm 2.3.2.post1, causal-con
 
 * ``ssd_chunk_scan``: ONE packed call of ``_mamba_chunk_scan_combined_fwd`` (the forward that
   ``mamba_chunk_scan_combined`` runs inside its autograd Function; inference needs no saved tensors) for all
-  sequences, with seq_idx and cu_seqlens (varlen final states) and NO initial states; initial states are then
-  added exactly in torch. The kernel cannot take a per-sequence initial state in a packed batch:
+  sequences, with seq_idx, with cu_seqlens for per-sequence final states (``chunk_state_varlen``: one more
+  autotuned launch) unless every sequence but the last ends on a chunk boundary, as one sequence always does (then
+  they are states that state passing already handed from chunk to chunk), and with NO initial states; initial
+  states are then added exactly in torch. The kernel cannot take a per-sequence initial state in a packed batch:
   ``initial_states`` is per batch row (ssd_combined.py:369) and, with seq_idx, only reaches the row's FIRST
   sequence (state passing starts from it and resets whenever seq_idx changes, ssd_state_passing.py:64-80;
   chunk scan applies the previous state only to tokens whose seq_idx equals the previous token's,
@@ -66,7 +68,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import reference
+from .. import envs
+from . import reference, triton_launch
 from .reference import _select_initial, process_dt, row_range  # noqa: F401  (process_dt is part of the interface)
 from .varlen_plan import InitCorrectionPlan, VarlenPlan, build_plan, conv_plan
 
@@ -104,6 +107,8 @@ def _kernels() -> SimpleNamespace:
             from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
+        # Before the first launch, so the autotuners' first tuning already sees the extended config lists.
+        triton_launch.install(fast_launch=envs.fast_launch(), extra_configs=envs.ssd_configs() == "extended")
         _KERNELS = SimpleNamespace(
             ssd_fwd=_mamba_chunk_scan_combined_fwd,
             selective_state_update=selective_state_update,
@@ -280,13 +285,28 @@ def ssd_chunk_scan(
     # seq_idx: int32 0..S'-1, the kernels only compare ids (ssd_bmm.py:84-88)
     native = _native_first(plan, initial_states)
     first = plan.nonempty[0]
-    res = fwd(lo, hi, seq_idx=plan.seq_idx_row, cu_seqlens=plan.cu_k,
+    aligned = plan.final_chunks is not None
+    res = fwd(lo, hi, seq_idx=plan.seq_idx_row, **({} if aligned else {"cu_seqlens": plan.cu_k}),
               **({"initial_states": initial_states[first: first + 1]} if native else {}))
-    out, dt_k, fin_k = res[0][0], res[2], res[-1]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32; (S', H, P, N)
+    out, dt_k = res[0][0], res[2]  # (Tu, H, P) x.dtype; (1, H, chunks, chunk) f32
+    if aligned:
+        # Every sequence but the last ends where a chunk ends (always so for one sequence): its final state is the
+        # state that state passing hands to the next chunk (ssd_state_passing.py:82; the next chunk's sequence
+        # then resets it, :77-79), and the last one's is the row's final state (float32, :84). No
+        # chunk_state_varlen launch: one autotuned launch less per layer (host time: prefill steps are
+        # host-bound), and no chunk-0 gap to patch (that is chunk_state_varlen's).
+        fin_k = res[5]  # (1, H, P, N)
+        if plan.final_chunks.numel():
+            cat = torch.promote_types(res[4].dtype, state_dtype)  # passed states are in C's dtype
+            fin_k = torch.cat([res[4][0].index_select(0, plan.final_chunks).to(cat), fin_k.to(cat)])
+    else:
+        fin_k = res[-1]  # (S', H, P, N) in C's dtype (chunk_state_varlen)
 
     if native:
         end = plan.cu[first + 1] - lo
-        if end <= chunk_size:  # it ends in chunk 0: chunk_state_varlen left its h0 term out (see the module doc)
+        # Ends in chunk 0: chunk_state_varlen left its h0 term out (module doc). (Aligned: no chunk_state_varlen;
+        # the row's own state passing carried h0.)
+        if end <= chunk_size and not aligned:
             decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
             # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two
             # full-size copies per layer of every chunked-prefill step: benchmarks/RESULTS.md, ninth session).

@@ -67,6 +67,9 @@ class VarlenPlan:
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
     seq_idx_row: torch.Tensor  # (1, Tu) view of seq_idx: the kernels' one batch row, made once per step
     nonempty_dev: torch.Tensor  # (S',) long
+    # (S'-1,) long: when every non-empty sequence but the last ends on an SSD chunk boundary (relative to cu[0]),
+    # the chunk whose entering state is each one's final state; None otherwise (see cuda.ssd_chunk_scan)
+    final_chunks: Optional[torch.Tensor] = None
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
@@ -139,6 +142,9 @@ def build_plan(
         "nonempty": torch.tensor(ne, dtype=torch.long),
     }
 
+    if ne and all(e % chunk_size == 0 for e in cu_k[1:-1]):
+        host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
+
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
     if init_pos:
         pos_t = torch.tensor(init_pos)
@@ -171,7 +177,8 @@ def build_plan(
     seq_idx = dev["seq_idx"].to(torch.int32)
     plan = VarlenPlan(
         cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, cu_k=dev["cu_k"].to(torch.int32), seq_idx=seq_idx,
-        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], device=device,
+        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], final_chunks=dev.get("final_chunks"),
+        device=device,
     )
     if init_pos:
         plan.init = InitCorrectionPlan(

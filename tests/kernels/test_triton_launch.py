@@ -1,0 +1,209 @@
+"""kernels/triton_launch.py: the autotuner bypass launches exactly what Triton's Autotuner.run launches.
+
+CPU tests drive a real ``triton.runtime.autotuner.Autotuner`` (the installed Triton) around a recording stand-in
+for the JIT function, with its benchmark replaced by fixed timings (no GPU needed): the oracle is the autotuner's
+own ``run``. The GPU test runs mamba-ssm's SSD forward on the H200 through both launch paths and compares the
+outputs bit for bit.
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from vllm_mamba2_plugin.kernels import triton_launch as tl
+
+triton = pytest.importorskip("triton")
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+
+
+def _kernel_fn(x_ptr, y_ptr, n, chunk_size, hdim, HAS_Y, BLOCK_SIZE_M):  # the "source" the autotuner wraps
+    pass
+
+
+class RecordingJIT:
+    """What Autotuner.run calls (``fn.run``), recording each launch's arguments."""
+
+    def __init__(self):
+        self.fn = _kernel_fn
+        self.arg_names = ["x_ptr", "y_ptr", "n", "chunk_size", "hdim", "HAS_Y", "BLOCK_SIZE_M"]
+        self.launches = []
+
+    def run(self, *args, **kwargs):
+        self.launches.append((args, kwargs))
+        return "launched"
+
+
+def make_tuner(configs, timings=None):
+    jit = RecordingJIT()
+    tuner = Autotuner(jit, jit.arg_names, configs, key=["chunk_size", "hdim"], reset_to_zero=None,
+                      restore_value=None)
+    tuner.cache_results = False
+    timings = timings or {}
+    tuner._bench = lambda *a, config, **kw: [timings.get(config.kwargs["BLOCK_SIZE_M"], 1.0)]
+    return tuner, jit
+
+
+CONFIGS = lambda: [triton.Config({"BLOCK_SIZE_M": 32}, num_warps=2, num_stages=5),  # noqa: E731
+                   triton.Config({"BLOCK_SIZE_M": 64}, num_warps=4, num_stages=3)]
+
+
+CALLS = {  # (args, kwargs) forms mamba-ssm's wrappers use: positional tensors, None, keyword constexprs
+    "positional": lambda x, y: ((x, y, 100, 64, 32), {"HAS_Y": True}),
+    "none-tensor": lambda x, y: ((x, None, 100, 64, 32), {"HAS_Y": False}),
+    "key-as-keyword": lambda x, y: ((x, y, 100), {"chunk_size": 64, "hdim": 32, "HAS_Y": True}),
+    "tensor-as-keyword": lambda x, y: ((x,), {"y_ptr": y, "n": 7, "chunk_size": 64, "hdim": 32, "HAS_Y": True}),
+}
+
+
+@pytest.mark.parametrize("form", list(CALLS))
+def test_fast_launch_launches_what_the_autotuner_launches(form):
+    x, y = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float32)
+    args, kwargs = CALLS[form](x, y)
+    tuner, jit = make_tuner(CONFIGS(), timings={32: 2.0, 64: 1.0})
+    tuner[(3,)](*args, **dict(kwargs))  # the oracle: Autotuner.run tunes (fake timings) and launches
+    assert len(tuner.cache) == 1 and len(jit.launches) == 1
+    fast = tl.FastLaunch(tuner)
+    assert fast.key(args, dict(kwargs)) in tuner.cache  # the same key as Autotuner.run's
+    assert fast[(3,)](*args, **dict(kwargs)) == "launched"
+    assert (fast.fast, fast.slow) == (1, 0)
+    (a0, k0), (a1, k1) = jit.launches
+    assert a1 == a0 and k1 == k0 and k1["BLOCK_SIZE_M"] == 64 and k1["num_warps"] == 4 and k1["grid"] == (3,)
+    assert tuner.best_config is tuner.cache[fast.key(args, dict(kwargs))]
+
+
+def test_new_key_goes_through_the_autotuner_then_launches_fast():
+    tuner, jit = make_tuner(CONFIGS(), timings={32: 1.0, 64: 2.0})
+    fast = tl.FastLaunch(tuner)
+    x, y = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)
+    for _ in range(3):
+        fast[(1,)](x, y, 10, 64, 32, HAS_Y=True)
+    assert (fast.fast, fast.slow, len(tuner.cache)) == (2, 1, 1)
+    fast[(1,)](x.float(), y, 10, 64, 32, HAS_Y=True)  # another dtype: another key, tuned by the autotuner
+    fast[(1,)](x, y, 10, 64, 64, HAS_Y=True)  # another hdim: likewise
+    assert (fast.fast, fast.slow, len(tuner.cache)) == (2, 3, 3)
+    assert all(k["BLOCK_SIZE_M"] == 32 for _, k in jit.launches)
+
+
+def test_pre_hook_configs_and_single_configs():
+    hooked = [triton.Config({"BLOCK_SIZE_M": 32}, pre_hook=lambda nargs: None),
+              triton.Config({"BLOCK_SIZE_M": 64}, pre_hook=lambda nargs: None)]
+    tuner, jit = make_tuner(hooked)
+    fast = tl.FastLaunch(tuner)
+    x = torch.zeros(2)
+    for _ in range(2):
+        fast[(1,)](x, x, 1, 64, 32, HAS_Y=True)
+    assert (fast.fast, fast.slow) == (0, 2)  # a pre_hook is the autotuner's to run
+    single, jit1 = make_tuner([triton.Config({"BLOCK_SIZE_M": 16}, num_warps=1)])
+    fast1 = tl.FastLaunch(single)
+    fast1[(1,)](x, x, 1, 64, 32, HAS_Y=True)
+    single[(1,)](x, x, 1, 64, 32, HAS_Y=True)
+    assert (fast1.fast, fast1.slow) == (1, 0) and jit1.launches[0] == jit1.launches[1]
+
+
+@pytest.fixture
+def fake_mamba(monkeypatch):
+    """mamba-ssm's four SSD modules as stand-ins holding real Autotuners (mamba-ssm itself needs CUDA)."""
+    mods = {}
+    for mod_name, names in tl.FORWARD_KERNELS.items():
+        m = types.ModuleType(mod_name)
+        for n in names:
+            setattr(m, n, make_tuner([triton.Config({"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32},
+                                                    num_stages=5, num_warps=2),
+                                      triton.Config({"BLOCK_SIZE_M": 32}, num_stages=3, num_warps=4)])[0])
+        monkeypatch.setitem(sys.modules, mod_name, m)
+        mods[mod_name] = m
+    return mods
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["autotuned", "deterministic"])
+def test_install_wraps_extends_and_is_idempotent(fake_mamba, pinned, monkeypatch):
+    monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: pinned)
+    scan = fake_mamba["mamba_ssm.ops.triton.ssd_chunk_scan"]
+    before = {n: len(tl.unwrap(getattr(m, n)).configs) for m in fake_mamba.values() for n in vars(m)
+              if n.endswith("_kernel")}
+    for _ in range(2):
+        placed = tl.install(fast_launch=True, extra_configs=True)
+    assert set(placed) == {n for names in tl.FORWARD_KERNELS.values() for n in names}
+    for m in fake_mamba.values():
+        for n in tl.FORWARD_KERNELS[m.__name__]:
+            obj = getattr(m, n)
+            assert isinstance(obj, tl.FastLaunch) and isinstance(obj.tuner, Autotuner)
+            added = 0 if pinned else len(tl.EXTRA_CONFIGS.get(n, ()))
+            assert len(obj.tuner.configs) == before[n] + added, n  # once, however often install runs
+    if not pinned:
+        got = {(c.kwargs["BLOCK_SIZE_M"], c.kwargs.get("BLOCK_SIZE_N"), c.kwargs.get("BLOCK_SIZE_K"), c.num_stages,
+                c.num_warps) for c in scan._chunk_scan_fwd_kernel.configs}
+        assert set(tl.EXTRA_CONFIGS["_chunk_scan_fwd_kernel"]) <= got
+
+
+def test_install_switches(fake_mamba, monkeypatch):
+    monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: False)
+    tl.install(fast_launch=False, extra_configs=False)
+    for m in fake_mamba.values():
+        for n in tl.FORWARD_KERNELS[m.__name__]:
+            assert isinstance(getattr(m, n), Autotuner) and len(getattr(m, n).configs) == 2
+
+
+def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
+    det = types.ModuleType("mamba_ssm.utils.determinism")
+    det.autotune_configs = lambda configs: configs  # autotuned mode: the list itself
+    monkeypatch.setitem(sys.modules, "mamba_ssm.utils.determinism", det)
+    monkeypatch.setitem(sys.modules, "mamba_ssm.utils", types.ModuleType("mamba_ssm.utils"))
+    monkeypatch.setitem(sys.modules, "mamba_ssm", types.ModuleType("mamba_ssm"))
+    assert tl._deterministic_pins_configs() is False
+    det.autotune_configs = lambda configs: configs[:1]  # deterministic mode: one config
+    assert tl._deterministic_pins_configs() is True
+
+
+@pytest.mark.gpu
+def test_ssd_forward_is_bitwise_the_same_through_both_launch_paths():
+    """mamba-ssm's SSD forward on the GPU (2.7b layer shape, a packed varlen batch with an initial state): the
+    FastLaunch path launches the autotuners' own choices, so every output is bit-identical to Triton's path, and
+    after the first call every launch is a fast one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("mamba_ssm")
+    from vllm_mamba2_plugin.kernels import cuda as ck
+
+    k = ck._kernels()  # installs (the default switches)
+    placed = tl.install()
+    assert all(isinstance(v, tl.FastLaunch) for v in placed.values())
+    g = torch.Generator().manual_seed(0)
+    H, P, N, T, cs = 80, 64, 128, 1000, 256
+    dev = torch.device("cuda")
+    x = torch.randn(1, T, H, P, generator=g).to(dev, torch.bfloat16)
+    dt = torch.randn(1, T, H, generator=g).to(dev, torch.bfloat16)
+    A = -torch.rand(H, generator=g).to(dev) - 0.1
+    B = torch.randn(1, T, 1, N, generator=g).to(dev, torch.bfloat16)
+    C = torch.randn(1, T, 1, N, generator=g).to(dev, torch.bfloat16)
+    D, dt_bias = torch.randn(H, generator=g).to(dev), torch.randn(H, generator=g).to(dev)
+    h0 = torch.randn(1, H, P, N, generator=g).to(dev)
+    cu = torch.tensor([0, 300, 301, 1000], dtype=torch.int32, device=dev)
+    seq_idx = torch.repeat_interleave(torch.arange(3, device=dev), cu.diff()).to(torch.int32)[None]
+
+    def run():
+        return k.ssd_fwd(x, dt, A, B, C, cs, D=D, dt_bias=dt_bias, dt_softplus=True, initial_states=h0,
+                         seq_idx=seq_idx, cu_seqlens=cu)
+
+    run()  # tunes any key not tuned yet (through the autotuners)
+    counts = {n: (v.fast, v.slow) for n, v in placed.items()}
+    fast = run()
+    assert all(v.fast == counts[n][0] + 1 and v.slow == counts[n][1] for n, v in placed.items()), \
+        {n: (v.fast, v.slow) for n, v in placed.items()}
+    mods = {m: sys.modules[m] for m in tl.FORWARD_KERNELS}
+    try:
+        for m, names in tl.FORWARD_KERNELS.items():
+            for n in names:
+                setattr(mods[m], n, placed[n].tuner)
+        slow = run()
+    finally:
+        for m, names in tl.FORWARD_KERNELS.items():
+            for n in names:
+                setattr(mods[m], n, placed[n])
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        if a is None:
+            assert b is None
+            continue
+        assert torch.equal(a, b), f"output {i} differs between the launch paths"
