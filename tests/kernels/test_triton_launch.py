@@ -8,6 +8,7 @@ outputs bit for bit.
 
 import sys
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from vllm_mamba2_plugin.kernels import triton_launch as tl
 
 triton = pytest.importorskip("triton")
-from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
 
 
 def _kernel_fn(x_ptr, y_ptr, n, chunk_size, hdim, HAS_Y, BLOCK_SIZE_M):  # the "source" the autotuner wraps
@@ -102,6 +103,33 @@ def test_pre_hook_configs_and_single_configs():
     assert (fast1.fast, fast1.slow) == (1, 0) and jit1.launches[0] == jit1.launches[1]
 
 
+def make_heuristics_stack():
+    """Three stacked heuristics, the inner ones reading what the outer ones set (as Triton passes them on)."""
+    jit = RecordingJIT()
+    names = jit.arg_names
+    h = Heuristics(jit, names, {"BLOCK_SIZE_M": lambda a: triton.next_power_of_2(a["n"]) * (2 if a["HAS_Y"] else 1)})
+    h = Heuristics(h, names, {"HAS_Y": lambda a: a["y_ptr"] is not None})
+    h = Heuristics(h, names, {"hdim": lambda a: a["chunk_size"] // 2})
+    return h, jit
+
+
+@pytest.mark.parametrize("with_y", [True, False])
+def test_fast_heuristics_launch_what_the_stack_launches(with_y):
+    x = torch.zeros(3)
+    stack, jit = make_heuristics_stack()
+    fast = tl.FastHeuristics(stack)
+    assert len(fast.layers) == 3 and fast.fn is jit
+    for n in (5, 16, 33):
+        args = (x, x if with_y else None, n, 64)
+        stack[(2, 1)](*args, num_warps=2)
+        fast[(2, 1)](*args, num_warps=2)
+        (a0, k0), (a1, k1) = jit.launches[-2:]
+        assert a1 == a0 and k1 == k0, (k0, k1)
+        assert k1["hdim"] == 32 and k1["HAS_Y"] is with_y and k1["grid"] == (2, 1)
+        assert k1["BLOCK_SIZE_M"] == triton.next_power_of_2(n) * (2 if with_y else 1)
+    assert fast.fast == 3
+
+
 @pytest.fixture
 def fake_mamba(monkeypatch):
     """mamba-ssm's four SSD modules as stand-ins holding real Autotuners (mamba-ssm itself needs CUDA)."""
@@ -114,6 +142,12 @@ def fake_mamba(monkeypatch):
                                       triton.Config({"BLOCK_SIZE_M": 32}, num_stages=3, num_warps=4)])[0])
         monkeypatch.setitem(sys.modules, mod_name, m)
         mods[mod_name] = m
+    for mod_name, names in tl.HEURISTIC_KERNELS.items():
+        m = types.ModuleType(mod_name)
+        for n in names:
+            setattr(m, n, make_heuristics_stack()[0])
+        monkeypatch.setitem(sys.modules, mod_name, m)
+        mods[mod_name] = m
     return mods
 
 
@@ -121,12 +155,16 @@ def fake_mamba(monkeypatch):
 def test_install_wraps_extends_and_is_idempotent(fake_mamba, pinned, monkeypatch):
     monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: pinned)
     scan = fake_mamba["mamba_ssm.ops.triton.ssd_chunk_scan"]
-    before = {n: len(tl.unwrap(getattr(m, n)).configs) for m in fake_mamba.values() for n in vars(m)
-              if n.endswith("_kernel")}
+    before = {n: len(getattr(fake_mamba[m], n).configs) for m, names in tl.FORWARD_KERNELS.items() for n in names}
     for _ in range(2):
         placed = tl.install(fast_launch=True, extra_configs=True)
-    assert set(placed) == {n for names in tl.FORWARD_KERNELS.values() for n in names}
-    for m in fake_mamba.values():
+    assert set(placed) == {n for kernels in (tl.FORWARD_KERNELS, tl.HEURISTIC_KERNELS) for names in kernels.values()
+                           for n in names}
+    for mod_name, names in tl.HEURISTIC_KERNELS.items():
+        for n in names:
+            obj = getattr(fake_mamba[mod_name], n)
+            assert isinstance(obj, tl.FastHeuristics) and isinstance(obj.kernel, Heuristics) and placed[n] is obj
+    for m in (fake_mamba[name] for name in tl.FORWARD_KERNELS):
         for n in tl.FORWARD_KERNELS[m.__name__]:
             obj = getattr(m, n)
             assert isinstance(obj, tl.FastLaunch) and isinstance(obj.tuner, Autotuner)
@@ -141,9 +179,11 @@ def test_install_wraps_extends_and_is_idempotent(fake_mamba, pinned, monkeypatch
 def test_install_switches(fake_mamba, monkeypatch):
     monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: False)
     tl.install(fast_launch=False, extra_configs=False)
-    for m in fake_mamba.values():
+    for m in (fake_mamba[name] for name in tl.FORWARD_KERNELS):
         for n in tl.FORWARD_KERNELS[m.__name__]:
             assert isinstance(getattr(m, n), Autotuner) and len(getattr(m, n).configs) == 2
+    for mod_name, names in tl.HEURISTIC_KERNELS.items():
+        assert all(isinstance(getattr(fake_mamba[mod_name], n), Heuristics) for n in names)
 
 
 def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
@@ -157,11 +197,31 @@ def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
     assert tl._deterministic_pins_configs() is True
 
 
+class _TritonPath:
+    """Within the block, Triton's own objects are back at every call site install() replaced."""
+
+    def __init__(self, placed, k):
+        self.sites = [(sys.modules[m], n) for kernels in (tl.FORWARD_KERNELS, tl.HEURISTIC_KERNELS)
+                      for m, names in kernels.items() for n in names]
+        self.placed, self.k = placed, k
+
+    def __enter__(self):
+        for m, n in self.sites:
+            setattr(m, n, tl.unwrap(self.placed[n]))
+        self.k.ssu_kernel = tl.unwrap(self.placed["_selective_scan_update_kernel"])
+
+    def __exit__(self, *exc):
+        for m, n in self.sites:
+            setattr(m, n, self.placed[n])
+        self.k.ssu_kernel = self.placed["_selective_scan_update_kernel"]
+
+
 @pytest.mark.gpu
-def test_ssd_forward_is_bitwise_the_same_through_both_launch_paths():
-    """mamba-ssm's SSD forward on the GPU (2.7b layer shape, a packed varlen batch with an initial state): the
-    FastLaunch path launches the autotuners' own choices, so every output is bit-identical to Triton's path, and
-    after the first call every launch is a fast one."""
+def test_kernels_are_bitwise_the_same_through_both_launch_paths():
+    """On the GPU, at the 2.7b layer shape: mamba-ssm's SSD forward (a packed varlen batch with an initial state),
+    the state update (the plugin's tuned launch and mamba-ssm's wrapper) and the gated norm, through
+    FastLaunch / FastHeuristics and through Triton's Autotuner / Heuristics. The same launches, so every output
+    is bit-identical; after the first call every SSD launch is a fast one."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("mamba_ssm")
@@ -169,41 +229,42 @@ def test_ssd_forward_is_bitwise_the_same_through_both_launch_paths():
 
     k = ck._kernels()  # installs (the default switches)
     placed = tl.install()
-    assert all(isinstance(v, tl.FastLaunch) for v in placed.values())
+    assert all(isinstance(v, (tl.FastLaunch, tl.FastHeuristics)) for v in placed.values()), placed
+    assert k.ssu_kernel is placed["_selective_scan_update_kernel"]
     g = torch.Generator().manual_seed(0)
-    H, P, N, T, cs = 80, 64, 128, 1000, 256
+    H, P, N, T, cs, slots = 80, 64, 128, 1000, 256, 40
     dev = torch.device("cuda")
-    x = torch.randn(1, T, H, P, generator=g).to(dev, torch.bfloat16)
-    dt = torch.randn(1, T, H, generator=g).to(dev, torch.bfloat16)
+    bf = lambda *shape: torch.randn(*shape, generator=g).to(dev, torch.bfloat16)  # noqa: E731
+    x, dt, B, C = bf(1, T, H, P), bf(1, T, H), bf(1, T, 1, N), bf(1, T, 1, N)
     A = -torch.rand(H, generator=g).to(dev) - 0.1
-    B = torch.randn(1, T, 1, N, generator=g).to(dev, torch.bfloat16)
-    C = torch.randn(1, T, 1, N, generator=g).to(dev, torch.bfloat16)
     D, dt_bias = torch.randn(H, generator=g).to(dev), torch.randn(H, generator=g).to(dev)
     h0 = torch.randn(1, H, P, N, generator=g).to(dev)
     cu = torch.tensor([0, 300, 301, 1000], dtype=torch.int32, device=dev)
     seq_idx = torch.repeat_interleave(torch.arange(3, device=dev), cu.diff()).to(torch.int32)[None]
+    pool = bf(slots, H, P, N)
+    idx = torch.tensor([3, 17, 5, 39, 0, 21, 8], device=dev)
+    xd, dtd, Bd, Cd, z, w = bf(7, H, P), bf(7, H), bf(7, 1, N), bf(7, 1, N), bf(7, H * P), bf(H * P)
 
     def run():
-        return k.ssd_fwd(x, dt, A, B, C, cs, D=D, dt_bias=dt_bias, dt_softplus=True, initial_states=h0,
-                         seq_idx=seq_idx, cu_seqlens=cu)
+        ssd = k.ssd_fwd(x, dt, A, B, C, cs, D=D, dt_bias=dt_bias, dt_softplus=True, initial_states=h0,
+                        seq_idx=seq_idx, cu_seqlens=cu)
+        states = pool.clone()
+        y_tuned = ck.ssm_state_update(states, xd, dtd, A, Bd, Cd, idx, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                      launch=(16, 2))
+        with mock.patch.dict(ck.SSU_LAUNCH_TABLE, clear=True):  # no table entry: mamba-ssm's own wrapper
+            y_wrapper = ck.ssm_state_update(states, xd, dtd, A, Bd, Cd, idx, D=D, dt_bias=dt_bias,
+                                            dt_softplus=True)
+        yn = ck.gated_rms_norm(xd.reshape(7, H * P), z, w, 1e-5, group_size=H * P // 8)
+        return [t for t in ssd if t is not None] + [states, y_tuned, y_wrapper, yn]
 
-    run()  # tunes any key not tuned yet (through the autotuners)
-    counts = {n: (v.fast, v.slow) for n, v in placed.items()}
+    run()  # tunes any SSD key not tuned yet (through the autotuners)
+    counts = {n: v.fast for n, v in placed.items()}
+    slow_counts = {n: v.slow for n, v in placed.items() if isinstance(v, tl.FastLaunch)}
     fast = run()
-    assert all(v.fast == counts[n][0] + 1 and v.slow == counts[n][1] for n, v in placed.items()), \
-        {n: (v.fast, v.slow) for n, v in placed.items()}
-    mods = {m: sys.modules[m] for m in tl.FORWARD_KERNELS}
-    try:
-        for m, names in tl.FORWARD_KERNELS.items():
-            for n in names:
-                setattr(mods[m], n, placed[n].tuner)
+    assert all(placed[n].slow == c for n, c in slow_counts.items()), slow_counts
+    assert all(v.fast > counts[n] for n, v in placed.items()), {n: (v.fast, counts[n]) for n, v in placed.items()}
+    with _TritonPath(placed, k):
         slow = run()
-    finally:
-        for m, names in tl.FORWARD_KERNELS.items():
-            for n in names:
-                setattr(mods[m], n, placed[n])
+    assert len(fast) == len(slow)
     for i, (a, b) in enumerate(zip(fast, slow)):
-        if a is None:
-            assert b is None
-            continue
         assert torch.equal(a, b), f"output {i} differs between the launch paths"

@@ -108,11 +108,12 @@ def _kernels() -> SimpleNamespace:
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         # Before the first launch, so the autotuners' first tuning already sees the extended config lists.
-        triton_launch.install(fast_launch=envs.fast_launch(), extra_configs=envs.ssd_configs() == "extended")
+        placed = triton_launch.install(fast_launch=envs.fast_launch(),
+                                       extra_configs=envs.ssd_configs() == "extended")
         _KERNELS = SimpleNamespace(
             ssd_fwd=_mamba_chunk_scan_combined_fwd,
             selective_state_update=selective_state_update,
-            ssu_kernel=_selective_scan_update_kernel,
+            ssu_kernel=placed.get("_selective_scan_update_kernel", _selective_scan_update_kernel),
             layer_norm_fwd=_layer_norm_fwd,
             conv_fwd=causal_conv1d_cuda.causal_conv1d_fwd,
             conv_update=causal_conv1d_cuda.causal_conv1d_update,

@@ -1,4 +1,4 @@
-"""mamba-ssm's autotuned SSD kernels: a cheaper launch, and vLLM's wider tuning space (CUDA path only).
+"""mamba-ssm's Triton kernels: a cheaper launch, and vLLM's wider SSD tuning space (CUDA path only).
 
 ``install()`` runs once, from ``cuda._kernels()`` (lazily, at the first CUDA kernel call; never at import). It
 leaves the kernels' code untouched and changes two things around them:
@@ -13,7 +13,9 @@ leaves the kernels' code untouched and changes two things around them:
   the JIT function with that config the way ``Autotuner.run`` does (triton 3.6 runtime/autotuner.py:
   ``self.fn.run(*args, **kwargs, **config.all_kwargs())``, after ``self.best_config = config``). What it does not
   mirror still goes through the autotuner: the first call of a key (tuning, Triton's disk cache), and configs
-  with a pre_hook. The kernels, configs and launches stay the same.
+  with a pre_hook. The kernels, configs and launches stay the same. ``FastHeuristics`` does the same for the
+  state-update and gated-norm kernels, which are stacks of ``@triton.heuristics`` (one argument dict per stacked
+  heuristic in Triton, one in all here).
 * **vLLM's config lists** (``EXTRA_CONFIGS``). vLLM 0.26 ships its own copies of these kernels. Their autotune
   lists add configs that mamba-ssm 2.3.2's lists lack: 12 for ``_chunk_scan_fwd_kernel``, 5 for
   ``_chunk_state_fwd_kernel``. Among them is the config that vLLM's chunk scan picks on the H200 at the 2.7b shape
@@ -41,6 +43,12 @@ FORWARD_KERNELS: Dict[str, Tuple[str, ...]] = {
     "mamba_ssm.ops.triton.ssd_state_passing": ("_state_passing_fwd_kernel",),
     "mamba_ssm.ops.triton.ssd_bmm": ("_bmm_chunk_fwd_kernel",),
     "mamba_ssm.ops.triton.ssd_chunk_scan": ("_chunk_scan_fwd_kernel",),
+}
+
+# Heuristics-only kernels (no autotuning) the plugin launches once per layer outside the SSD forward.
+HEURISTIC_KERNELS: Dict[str, Tuple[str, ...]] = {
+    "mamba_ssm.ops.triton.selective_state_update": ("_selective_scan_update_kernel",),
+    "mamba_ssm.ops.triton.layernorm_gated": ("_layer_norm_fwd_1pass_kernel",),
 }
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages, num_warps): the configs of vLLM 0.26's copies
@@ -124,9 +132,51 @@ class FastLaunch:
         return getattr(self.tuner, name)
 
 
+class FastHeuristics:
+    """Stands in for a stack of ``@triton.heuristics`` over a JIT function at its call sites.
+
+    Triton's ``Heuristics.run`` builds a dict of all arguments for every heuristic (triton 3.6
+    runtime/autotuner.py: ``kwargs[v] = heur({**dict(zip(self.arg_names, args)), **kwargs})``), one stacked layer
+    per heuristic: five dicts of ~45 entries per launch of mamba-ssm's state update (selective_state_update.py:
+    18-22), which runs once per layer in every eager decode step and every mixed step. This evaluates the same
+    heuristics in the same order on ONE dict that carries each layer's results to the next (what the next layer
+    sees in its kwargs), then launches the JIT function with the same kwargs."""
+
+    def __init__(self, kernel):
+        from triton.runtime.autotuner import Heuristics
+
+        self.kernel = kernel
+        self.layers, fn = [], kernel
+        while isinstance(fn, Heuristics):
+            self.layers.append(fn)
+            fn = fn.fn
+        self.fn = fn
+        self.arg_names = list(self.layers[0].arg_names) if self.layers else []
+        self.fast = 0
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        for layer in self.layers:
+            for name, heur in layer.values.items():
+                kwargs[name] = named[name] = heur(named)
+        self.fast += 1
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
 def unwrap(obj):
-    """The autotuner behind a ``FastLaunch`` (anything else unchanged)."""
-    return obj.tuner if isinstance(obj, FastLaunch) else obj
+    """The Triton object behind a ``FastLaunch`` / ``FastHeuristics`` (anything else unchanged)."""
+    if isinstance(obj, FastLaunch):
+        return obj.tuner
+    if isinstance(obj, FastHeuristics):
+        return obj.kernel
+    return obj
 
 
 def _deterministic_pins_configs() -> bool:
@@ -158,8 +208,9 @@ def _extend(tuner, name: str) -> int:
 
 
 def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, object]:
-    """Wrap mamba-ssm's SSD forward autotuners in ``FastLaunch`` and/or extend their config lists. Idempotent.
-    Returns name -> the object now at the call site (a FastLaunch or the autotuner)."""
+    """Wrap mamba-ssm's SSD forward autotuners in ``FastLaunch`` and/or extend their config lists, and its state
+    update and gated-norm kernels in ``FastHeuristics``. Idempotent. Returns name -> the object now at each call
+    site (a FastLaunch / FastHeuristics, or Triton's own object)."""
     from triton.runtime.autotuner import Autotuner
 
     extend = extra_configs and not _deterministic_pins_configs()
@@ -177,6 +228,20 @@ def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, o
                 logger.debug("vllm_mamba2_plugin: %s tunes over %d configs", name, len(tuner.configs))
             if fast_launch and not isinstance(obj, FastLaunch):
                 obj = FastLaunch(tuner)
+                setattr(mod, name, obj)
+            out[name] = obj
+    from triton.runtime.autotuner import Heuristics
+
+    for mod_name, names in HEURISTIC_KERNELS.items():
+        mod = importlib.import_module(mod_name)
+        for name in names:
+            obj = getattr(mod, name, None)
+            if not isinstance(unwrap(obj), Heuristics):
+                logger.warning("vllm_mamba2_plugin: %s.%s is not a Triton heuristics stack (%s); launching it "
+                               "unchanged", mod_name, name, type(obj).__name__)
+                continue
+            if fast_launch and not isinstance(obj, FastHeuristics):
+                obj = FastHeuristics(obj)
                 setattr(mod, name, obj)
             out[name] = obj
     return out
