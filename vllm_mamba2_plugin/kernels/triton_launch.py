@@ -214,6 +214,9 @@ def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, o
     from triton.runtime.autotuner import Autotuner
 
     extend = extra_configs and not _deterministic_pins_configs()
+    if extra_configs and not extend:
+        logger.info("vllm_mamba2_plugin: mamba-ssm's deterministic mode pins one config per SSD kernel; "
+                    "VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=extended does not apply")
     out = {}
     for mod_name, names in FORWARD_KERNELS.items():
         mod = importlib.import_module(mod_name)

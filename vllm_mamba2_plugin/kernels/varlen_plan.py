@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 
@@ -134,11 +135,16 @@ def build_plan(
     lo = cu[0] if S > 0 else 0
     ne = [s for s in range(S) if cu[s + 1] > cu[s]]
     cu_k = [0] + [cu[s + 1] - lo for s in ne]
+    # Token-sized host arrays in numpy: torch's CPU repeat_interleave runs a parallel loop over the sequences
+    # (grain 1), and waking the intra-op threads cost ~2.6 ms per call on the H200 machine's host (cProfile of the
+    # metadata build, benchmarks/RESULTS.md, eleventh session); numpy stays on the calling thread (~5 us here).
     Tu = cu_k[-1]
-    cu_k_t = torch.tensor(cu_k)
+    cu_k_np = np.asarray(cu_k, dtype=np.int64)
+    seq_idx_np = np.repeat(np.arange(len(ne), dtype=np.int64), np.diff(cu_k_np))
+    cu_k_t = torch.from_numpy(cu_k_np)
     host = {
         "cu_k": cu_k_t,
-        "seq_idx": torch.repeat_interleave(torch.arange(len(ne)), cu_k_t.diff(), output_size=Tu),
+        "seq_idx": torch.from_numpy(seq_idx_np),
         "nonempty": torch.tensor(ne, dtype=torch.long),
     }
 
@@ -153,13 +159,13 @@ def build_plan(
         # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
         blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
         nblk = [(n + blk - 1) // blk for n in lens]
-        b_seq = torch.repeat_interleave(torch.arange(len(init_pos)), torch.tensor(nblk))
+        b_seq = torch.from_numpy(np.repeat(np.arange(len(init_pos), dtype=np.int64), nblk))
         first = torch.tensor([0] + nblk[:-1]).cumsum(0)
         b_k = torch.arange(len(b_seq)) - first[b_seq]
         tok = starts[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
         tok = torch.where(tok < ends[b_seq, None], tok, torch.full_like(tok, Tu))
         host.update({
-            "i_tok_start": cu_k_t[host["seq_idx"]],
+            "i_tok_start": torch.from_numpy(cu_k_np[seq_idx_np]),
             "i_start": starts, "i_end": ends,
             "i_pos": pos_t, "i_rows": host["nonempty"][pos_t],
             "i_tok": tok, "i_b_seq": b_seq,
@@ -201,25 +207,27 @@ def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:
 
 def _conv_last_rows(cu: List[int], K: int) -> torch.Tensor:
     """(S*K,) the last K token rows of each sequence (clamped at 0; valid for sequences of >= K tokens)."""
-    return (torch.tensor(cu[1:], dtype=torch.long)[:, None] - K + torch.arange(K)[None, :]).clamp(min=0).reshape(-1)
+    rows = np.asarray(cu[1:], dtype=np.int64)[:, None] - K + np.arange(K, dtype=np.int64)[None, :]
+    return torch.from_numpy(np.maximum(rows, 0).reshape(-1))
 
 
 def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     """Rows of the extended buffer [init_0, seq_0, init_1, seq_1, ...] (cu must start at 0):
     row(init_s[j]) = cu[s] + s*K + j; row(token t of seq s) = t + (s+1)*K; padding token t >= cu[S] -> t + S*K."""
     S = len(cu) - 1
-    cu_t = torch.tensor(cu, dtype=torch.long)
-    t = torch.arange(T)
-    seq_of_tok = torch.searchsorted(cu_t[1:], t, right=True)  # (T,) in [0, S]; S = past the last sequence
-    tok_row = t + torch.clamp(seq_of_tok + 1, max=S) * K
-    s_ar = torch.arange(S)
-    state_row = ((cu_t[:-1] + s_ar * K)[:, None] + torch.arange(K)[None, :]).reshape(-1)
-    seq_idx = torch.empty(T + S * K, dtype=torch.long)
-    seq_idx[tok_row] = torch.where(seq_of_tok < S, seq_of_tok, torch.full_like(seq_of_tok, -1))
-    seq_idx[state_row] = s_ar.repeat_interleave(K)
-    end_row = cu_t[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
-    final_row = (end_row[:, None] - K + torch.arange(K)[None, :]).reshape(-1)
-    return {"tok_row": tok_row, "state_row": state_row, "seq_idx": seq_idx, "final_row": final_row}
+    cu_a = np.asarray(cu, dtype=np.int64)  # numpy: T-sized host work off torch's intra-op threads (build_plan)
+    t = np.arange(T, dtype=np.int64)
+    seq_of_tok = np.searchsorted(cu_a[1:], t, side="right")  # (T,) in [0, S]; S = past the last sequence
+    tok_row = t + np.minimum(seq_of_tok + 1, S) * K
+    s_ar = np.arange(S, dtype=np.int64)
+    state_row = ((cu_a[:-1] + s_ar * K)[:, None] + np.arange(K)[None, :]).reshape(-1)
+    seq_idx = np.empty(T + S * K, dtype=np.int64)
+    seq_idx[tok_row] = np.where(seq_of_tok < S, seq_of_tok, -1)
+    seq_idx[state_row] = np.repeat(s_ar, K)
+    end_row = cu_a[1:] + (s_ar + 1) * K  # one past the last row of [init_s, seq_s]
+    final_row = (end_row[:, None] - K + np.arange(K)[None, :]).reshape(-1)
+    return {k: torch.from_numpy(v) for k, v in
+            (("tok_row", tok_row), ("state_row", state_row), ("seq_idx", seq_idx), ("final_row", final_row))}
 
 
 def conv_plan(plan: VarlenPlan, K: int, extended: bool = False) -> ConvPlan:
