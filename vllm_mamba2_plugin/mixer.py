@@ -235,6 +235,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             ([37, cs], [True, False]),
             (reruns + [cs], [True] * len(reruns) + [False]),
             ([20] * many, [True] * many),
+            # One chunk (Triton specialises an integer argument equal to 1: the state passing's nchunks) and
+            # packed lengths divisible by 16, fresh and with a resumed first sequence: on the H200 the JIT monitor
+            # saw _state_passing_fwd_kernel compile three times at the first requests of a 2.7b run without these
+            # (fresh 2 x 64 tokens; resumed-first steps of 8 192 - decode rows; RESULTS.md, eleventh session).
+            ([cs // 4, cs // 4], [False, False]),
+            ([37, cs + 11], [True, False]),
+            ([5, 10], [True, False]),
+            ([16, 16], [True, False]),
         ]
 
     def _warm_prefill_kernels(self, projected: torch.Tensor) -> None:

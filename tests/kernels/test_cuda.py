@@ -1037,7 +1037,8 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     # more than two chunks, two fresh prompts of its whole token count
     first = [(profile_tokens, False)] if profile_tokens > 2 * cs else []
     assert calls == first + [(2 * cs, False), (cs + 7, False), (37 + cs, True), (cs + 86, False), (37, True),
-                             (48, True), (1, True), (80, False)]
+                             (48, True), (1, True), (80, False),
+                             (cs // 2, False), (48 + cs, True), (15, True), (32, True)]  # one chunk, % 16 == 0
     n = len(calls)
     assert len(launched) >= 5
     layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
