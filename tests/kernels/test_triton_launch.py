@@ -1,9 +1,10 @@
-"""kernels/triton_launch.py: the autotuner bypass launches exactly what Triton's Autotuner.run launches.
+"""kernels/triton_launch.py: FastLaunch / FastHeuristics launch exactly what Triton's Autotuner.run /
+Heuristics.run launch.
 
-CPU tests drive a real ``triton.runtime.autotuner.Autotuner`` (the installed Triton) around a recording stand-in
-for the JIT function, with its benchmark replaced by fixed timings (no GPU needed): the oracle is the autotuner's
-own ``run``. The GPU test runs mamba-ssm's SSD forward on the H200 through both launch paths and compares the
-outputs bit for bit.
+CPU tests drive a real ``triton.runtime.autotuner.Autotuner`` / ``Heuristics`` (the installed Triton) around a
+recording stand-in for the JIT function, with the autotuner's benchmark replaced by fixed timings (no GPU needed):
+the oracle is Triton's own ``run``. The GPU test runs mamba-ssm's SSD forward, state update and gated norm on the
+H200 through both launch paths and compares the outputs bit for bit.
 """
 
 import sys
