@@ -34,6 +34,10 @@
 # --model 2.7b --impls plugin,intree --layouts 16x512,2x4096 --host-profile 157 s (cold Triton cache). The 130m graph
 # throughput run (both impls) did not fit after either of those (start-ups 116-143 s plugin, 109 s in-tree): give it
 # a call of its own (~310 s). A start refused for want of a machine cost 90 s of budget.
+# Eleventh session: setup 46-56 s; MAMBA_DETERMINISTIC=1 tests/kernels (all, 275) 203 s; prefill_layer.py --model 2.7b
+# --impls plugin,plugin-triton-launch,intree (3 layouts, --host-profile, cold caches) 137 s; throughput.py --models 2.7b
+# --modes graph --batches 1,64 (both impls) 386 s (start-ups: plugin 181 s, in-tree 125 s; the plugin autotunes 17
+# more SSD configs than before); tests/gpu -k chunked 200 s. Two starts were refused (90 s of budget each).
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
