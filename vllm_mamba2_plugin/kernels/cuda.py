@@ -108,8 +108,16 @@ def _kernels() -> SimpleNamespace:
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         # Before the first launch, so the autotuners' first tuning already sees the extended config lists.
-        placed = triton_launch.install(fast_launch=envs.fast_launch(),
-                                       extra_configs=envs.ssd_configs() == "extended")
+        fast, extended = envs.fast_launch(), envs.ssd_configs() == "extended"
+        try:
+            placed = triton_launch.install(fast_launch=fast, extra_configs=extended)
+        except Exception as e:  # a Triton or mamba-ssm whose internals differ: their own launch path still works
+            placed = {}
+            if fast or extended:
+                logger.warning("vllm_mamba2_plugin: could not install the fast Triton launch path / extended SSD "
+                               "configs (%r); launching mamba-ssm's kernels through Triton as they come. "
+                               "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream "
+                               "silence this.", e)
         _KERNELS = SimpleNamespace(
             ssd_fwd=_mamba_chunk_scan_combined_fwd,
             selective_state_update=selective_state_update,
