@@ -46,13 +46,16 @@ def full_decode_graphs() -> bool:
     return _flag("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", True)
 
 
-def kernel_choice() -> str:
-    value = os.environ.get("VLLM_MAMBA2_PLUGIN_KERNELS", "auto").strip().lower() or "auto"
-    if value not in ("auto", "reference"):
-        raise ValueError(
-            f"VLLM_MAMBA2_PLUGIN_KERNELS={value!r} is not supported: use 'auto' or 'reference'"
-        )
+def _choice(name: str, allowed: tuple) -> str:
+    """One of ``allowed`` (the first is the default), case-insensitive; anything else is refused."""
+    value = os.environ.get(name, allowed[0]).strip().lower() or allowed[0]
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported: use {' or '.join(repr(a) for a in allowed)}")
     return value
+
+
+def kernel_choice() -> str:
+    return _choice("VLLM_MAMBA2_PLUGIN_KERNELS", ("auto", "reference"))
 
 
 def fast_launch() -> bool:
@@ -60,9 +63,4 @@ def fast_launch() -> bool:
 
 
 def ssd_configs() -> str:
-    value = os.environ.get("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", "extended").strip().lower() or "extended"
-    if value not in ("extended", "upstream"):
-        raise ValueError(
-            f"VLLM_MAMBA2_PLUGIN_SSD_CONFIGS={value!r} is not supported: use 'extended' or 'upstream'"
-        )
-    return value
+    return _choice("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", ("extended", "upstream"))
