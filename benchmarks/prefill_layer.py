@@ -139,28 +139,21 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
 
 
 def plugin_triton_launch_runner(layer: Mamba2Mixer, step, dev, holder):
-    """The plugin's path with every SSD kernel launched through Triton's ``Autotuner.run`` (as with
-    VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0): the A/B of kernels/triton_launch.py's FastLaunch in one process. The
-    autotuners go back to mamba-ssm's call sites for the duration of each call (12 setattr: ~2 us)."""
+    """The plugin's path with every mamba-ssm Triton kernel launched through Triton's own ``Autotuner.run`` /
+    ``Heuristics.run`` (as with VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0): the A/B of kernels/triton_launch.py in one
+    process. Triton's objects go back to the call sites for the duration of each call (a few setattr, ~2 us)."""
     from vllm_mamba2_plugin.kernels import cuda as ck
     from vllm_mamba2_plugin.kernels import triton_launch as tl
 
-    ck._kernels()
+    k = ck._kernels()
     run, build_us = plugin_runner(layer, step, dev, holder)
-    sites = [(sys.modules[m], n) for m, names in tl.FORWARD_KERNELS.items() for n in names]
 
-    def run_through_autotuners():
-        placed = [getattr(m, n) for m, n in sites]
-        for (m, n), v in zip(sites, placed):
-            setattr(m, n, tl.unwrap(v))
-        try:
+    def run_through_triton():
+        with tl.triton_own_launch(k):
             return run()
-        finally:
-            for (m, n), v in zip(sites, placed):
-                setattr(m, n, v)
 
-    run_through_autotuners.build = run.build
-    return run_through_autotuners, build_us
+    run_through_triton.build = run.build
+    return run_through_triton, build_us
 
 
 def intree_runner(layer: Mamba2Mixer, step, dev, holder):

@@ -187,6 +187,25 @@ def test_install_switches(fake_mamba, monkeypatch):
         assert all(isinstance(getattr(fake_mamba[mod_name], n), Heuristics) for n in names)
 
 
+def test_triton_own_launch_puts_tritons_objects_back_for_the_block(fake_mamba, monkeypatch):
+    monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: False)
+    placed = tl.install()
+    ns = types.SimpleNamespace(ssu_kernel=placed["_selective_scan_update_kernel"], other=1)
+    sites = [(fake_mamba[m], n) for kernels in (tl.FORWARD_KERNELS, tl.HEURISTIC_KERNELS) for m, names in
+             kernels.items() for n in names]
+    with tl.triton_own_launch(ns):
+        for m, n in sites:
+            assert getattr(m, n) is tl.unwrap(placed[n]) and not isinstance(getattr(m, n),
+                                                                           (tl.FastLaunch, tl.FastHeuristics))
+        assert isinstance(ns.ssu_kernel, Heuristics) and ns.other == 1
+    assert all(getattr(m, n) is placed[n] for m, n in sites)
+    assert ns.ssu_kernel is placed["_selective_scan_update_kernel"]
+    with pytest.raises(RuntimeError):  # restored on the way out of an exception too
+        with tl.triton_own_launch():
+            raise RuntimeError("x")
+    assert all(getattr(m, n) is placed[n] for m, n in sites)
+
+
 def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
     det = types.ModuleType("mamba_ssm.utils.determinism")
     det.autotune_configs = lambda configs: configs  # autotuned mode: the list itself
@@ -196,25 +215,6 @@ def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
     assert tl._deterministic_pins_configs() is False
     det.autotune_configs = lambda configs: configs[:1]  # deterministic mode: one config
     assert tl._deterministic_pins_configs() is True
-
-
-class _TritonPath:
-    """Within the block, Triton's own objects are back at every call site install() replaced."""
-
-    def __init__(self, placed, k):
-        self.sites = [(sys.modules[m], n) for kernels in (tl.FORWARD_KERNELS, tl.HEURISTIC_KERNELS)
-                      for m, names in kernels.items() for n in names]
-        self.placed, self.k = placed, k
-
-    def __enter__(self):
-        for m, n in self.sites:
-            setattr(m, n, tl.unwrap(self.placed[n]))
-        self.k.ssu_kernel = tl.unwrap(self.placed["_selective_scan_update_kernel"])
-
-    def __exit__(self, *exc):
-        for m, n in self.sites:
-            setattr(m, n, self.placed[n])
-        self.k.ssu_kernel = self.placed["_selective_scan_update_kernel"]
 
 
 @pytest.mark.gpu
@@ -264,8 +264,10 @@ def test_kernels_are_bitwise_the_same_through_both_launch_paths():
     fast = run()
     assert all(placed[n].slow == c for n, c in slow_counts.items()), slow_counts
     assert all(v.fast > counts[n] for n, v in placed.items()), {n: (v.fast, counts[n]) for n, v in placed.items()}
-    with _TritonPath(placed, k):
+    with tl.triton_own_launch(k):
+        assert k.ssu_kernel is placed["_selective_scan_update_kernel"].kernel
         slow = run()
+    assert k.ssu_kernel is placed["_selective_scan_update_kernel"]
     assert len(fast) == len(slow)
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(a, b), f"output {i} differs between the launch paths"

@@ -30,6 +30,7 @@ VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream keeps mamba-ssm's config lists.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from typing import Dict, List, Tuple
@@ -179,6 +180,23 @@ def unwrap(obj):
     return obj
 
 
+@contextlib.contextmanager
+def triton_own_launch(*namespaces):
+    """Within the block, Triton's own Autotuner / Heuristics objects are back at every call site that ``install``
+    gave a FastLaunch / FastHeuristics, and at any such attribute of ``namespaces`` (e.g. ``cuda._kernels()``):
+    the launch paths' A/B in one process (tests, benchmarks/prefill_layer.py)."""
+    holders = [importlib.import_module(m) for kernels in (FORWARD_KERNELS, HEURISTIC_KERNELS) for m in kernels]
+    sites = [(h, name, v) for h in holders + list(namespaces) for name, v in list(vars(h).items())
+             if isinstance(v, (FastLaunch, FastHeuristics))]
+    for h, name, v in sites:
+        setattr(h, name, unwrap(v))
+    try:
+        yield
+    finally:
+        for h, name, v in sites:
+            setattr(h, name, v)
+
+
 def _deterministic_pins_configs() -> bool:
     """mamba-ssm's deterministic mode reduces every autotune list to one config (its own autotune_configs)."""
     try:
@@ -211,40 +229,28 @@ def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, o
     """Wrap mamba-ssm's SSD forward autotuners in ``FastLaunch`` and/or extend their config lists, and its state
     update and gated-norm kernels in ``FastHeuristics``. Idempotent. Returns name -> the object now at each call
     site (a FastLaunch / FastHeuristics, or Triton's own object)."""
-    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.autotuner import Autotuner, Heuristics
 
     extend = extra_configs and not _deterministic_pins_configs()
     if extra_configs and not extend:
         logger.info("vllm_mamba2_plugin: mamba-ssm's deterministic mode pins one config per SSD kernel; "
                     "VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=extended does not apply")
     out = {}
-    for mod_name, names in FORWARD_KERNELS.items():
-        mod = importlib.import_module(mod_name)
-        for name in names:
-            obj = getattr(mod, name, None)
-            tuner = unwrap(obj)
-            if not isinstance(tuner, Autotuner):  # another mamba-ssm: leave its call sites alone
-                logger.warning("vllm_mamba2_plugin: %s.%s is not a Triton autotuner (%s); launching it unchanged",
-                               mod_name, name, type(obj).__name__)
-                continue
-            if extend and _extend(tuner, name):
-                logger.debug("vllm_mamba2_plugin: %s tunes over %d configs", name, len(tuner.configs))
-            if fast_launch and not isinstance(obj, FastLaunch):
-                obj = FastLaunch(tuner)
-                setattr(mod, name, obj)
-            out[name] = obj
-    from triton.runtime.autotuner import Heuristics
-
-    for mod_name, names in HEURISTIC_KERNELS.items():
-        mod = importlib.import_module(mod_name)
-        for name in names:
-            obj = getattr(mod, name, None)
-            if not isinstance(unwrap(obj), Heuristics):
-                logger.warning("vllm_mamba2_plugin: %s.%s is not a Triton heuristics stack (%s); launching it "
-                               "unchanged", mod_name, name, type(obj).__name__)
-                continue
-            if fast_launch and not isinstance(obj, FastHeuristics):
-                obj = FastHeuristics(obj)
-                setattr(mod, name, obj)
-            out[name] = obj
+    for kernels, kind, wrapper in ((FORWARD_KERNELS, Autotuner, FastLaunch),
+                                   (HEURISTIC_KERNELS, Heuristics, FastHeuristics)):
+        for mod_name, names in kernels.items():
+            mod = importlib.import_module(mod_name)
+            for name in names:
+                obj = getattr(mod, name, None)
+                target = unwrap(obj)
+                if not isinstance(target, kind):  # another mamba-ssm: leave its call sites alone
+                    logger.warning("vllm_mamba2_plugin: %s.%s is not a Triton %s (%s); launching it unchanged",
+                                   mod_name, name, kind.__name__, type(obj).__name__)
+                    continue
+                if kind is Autotuner and extend and _extend(target, name):
+                    logger.debug("vllm_mamba2_plugin: %s tunes over %d configs", name, len(target.configs))
+                if fast_launch and not isinstance(obj, wrapper):
+                    obj = wrapper(target)
+                    setattr(mod, name, obj)
+                out[name] = obj
     return out
