@@ -37,8 +37,8 @@ core in that run. The harness's step is a whole-run average; the timeline says w
 themselves are that long, or whether a few long ones (or a slow front end) make the difference.
 
 --profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
-CPU + CUDA activity) records one decode run (the largest batch or ``--profile-batch``, prompt 512, ``PROFILE_NEW``
-new tokens) and one prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
+CPU + CUDA activity) records one decode run per batch of ``--profile-batch`` (default: the largest batch; prompt
+512, ``PROFILE_NEW`` new tokens) and one prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
 ``benchmarks/trace_steps.py`` turns a trace into per-step host / device tables.
 """
 
@@ -277,7 +277,8 @@ def worker(args) -> None:
         t = time.perf_counter()
         llm.start_profile()
         if "decode" in workloads:
-            run(job.get("profile_batch") or max(DECODE["batches"]), DECODE["prompt"], PROFILE_NEW)
+            for batch in job.get("profile_batch") or [max(DECODE["batches"])]:
+                run(batch, DECODE["prompt"], PROFILE_NEW)
         if "prefill" in workloads:
             run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
         llm.stop_profile()  # writes the trace (gzip) and the kernel table
@@ -356,8 +357,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,64,256; also the capture sizes)")
     ap.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     ap.add_argument("--profile", action="store_true", help="also record a torch-profiler trace per worker")
-    ap.add_argument("--profile-batch", type=int, default=None,
-                    help="batch of the profiled decode run (default: the largest of --batches)")
+    ap.add_argument("--profile-batch", default=None,
+                    help="batch(es) of the profiled decode run(s), comma-separated (default: the largest of --batches)")
     ap.add_argument("--jit-verbose", action="store_true",
                     help="vLLM's JIT monitor logs each compile during serving with its signature (worker logs)")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
@@ -393,7 +394,8 @@ def main() -> None:
                            out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
-                           workloads=args.workloads.split(","), profile_batch=args.profile_batch,
+                           workloads=args.workloads.split(","),
+                           profile_batch=[int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None,
                            jit_verbose=args.jit_verbose,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
                            if args.profile else None)
