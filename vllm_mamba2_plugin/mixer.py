@@ -213,36 +213,46 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                      for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
 
     def _warm_prefill_layouts(self, max_rerun: int, tokens: int = 0):
-        """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs: every
-        path of the prefill wrappers (fresh prompts: conv read in place, or through the extended buffer when a
-        sequence is shorter than W-1; one resumed sequence opening the batch, through the packed call's own
-        initial state; up to ``SEPARATE_RESUMED_MAX`` resumed sequences, each rerun alone; more: the batched
-        correction), with token counts that are and are not multiples of 16, and 1 (Triton compiles
-        a kernel per divisibility of its integer arguments and strides; a rerun's strides follow its length).
-        (On the H200, with only a 37-token rerun warmed, vLLM's JIT monitor still saw four SSD kernels compile
-        during serving of a 7b-shape run: benchmarks/RESULTS.md.)
+        """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs.
+
         First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: two
         fresh prompts filling it. mamba-ssm's SSD kernels are autotuned once per key of head, state and chunk
         sizes -- not length -- on the arguments of their first call, and that choice then serves every step;
         tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
         GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session). Its intermediates are
-        allocated inside the profile run that sizes the state pools, as a real step of that size allocates them."""
+        allocated inside the profile run that sizes the state pools, as a real step of that size allocates them.
+
+        Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
+        (== 1, a multiple of 16, other) and pointer alignments. In the SSD kernels the integers that change from
+        step to step are the packed length T, the chunk count and strides that are multiples of T (T * heads,
+        T * projection width, ...), so the specialisation of a step is fixed by (chunk count: 1 / 16k / other)
+        x (T mod 16: 0 / 8 / 4 / 2 / 1 decide which multiples of T are divisible by 16) x (path: one fresh
+        prompt (final states from state passing), fresh prompts with a boundary inside a chunk (the varlen
+        final-state kernel), a resumed first sequence ending inside chunk 0 or on a chunk boundary (the packed
+        call's own initial state)). The chunk count reaches 16 only in steps of more than 15 chunks, so that
+        class is warmed only when the budget allows such steps (T = 15 chunks + 16..24 tokens). (On the H200 the JIT monitor saw
+        ``_state_passing_fwd_kernel`` compile at the first requests of 2.7b runs: steps of 8 159-8 190 tokens,
+        32 chunks, against warm-up layouts of at most two chunks; RESULTS.md, eleventh and twelfth sessions.)
+
+        Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer),
+        up to ``SEPARATE_RESUMED_MAX`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the
+        batched correction)."""
         cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
-        budget = [([tokens // 2, tokens - tokens // 2], [False, False])] if tokens > 2 * cs else []
-        return budget + [
-            ([cs // 2, cs + cs // 2], [False, False]),
+        layouts = [([tokens // 2, tokens - tokens // 2], [False, False])] if tokens > 2 * cs else []
+        for chunks in [1, 2] + ([16] if tokens >= 15 * cs + 32 else []):
+            for residue in (0, 8, 4, 2, 1):
+                T = (chunks - 1) * cs + 16 + residue  # chunk_size is a multiple of 16 (64, 128, 256 in practice)
+                cut = T // 2 if (T // 2) % cs else T // 2 - 1  # a boundary inside a chunk
+                first = min(37, T - 1)
+                layouts += [([T], [False]), ([cut, T - cut], [False, False]), ([first, T - first], [True, False])]
+                if chunks > 1:
+                    layouts.append(([cs, T - cs], [True, False]))  # resumed first sequence ending on a chunk
+        return layouts + [
+            ([1], [False]),
+            ([1], [True]),
             ([cs + 5, 2], [False, False]),
-            ([37, cs], [True, False]),
             (reruns + [cs], [True] * len(reruns) + [False]),
             ([20] * many, [True] * many),
-            # One chunk (Triton specialises an integer argument equal to 1: the state passing's nchunks) and
-            # packed lengths divisible by 16, fresh and with a resumed first sequence: on the H200 the JIT monitor
-            # saw _state_passing_fwd_kernel compile three times at the first requests of a 2.7b run without these
-            # (fresh 2 x 64 tokens; resumed-first steps of 8 192 - decode rows; RESULTS.md, eleventh session).
-            ([cs // 4, cs // 4], [False, False]),
-            ([37, cs + 11], [True, False]),
-            ([5, 10], [True, False]),
-            ([16, 16], [True, False]),
         ]
 
     def _warm_prefill_kernels(self, projected: torch.Tensor) -> None:

@@ -1000,15 +1000,39 @@ def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
         return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)
 
 
-@pytest.mark.parametrize("profile_tokens", [3, 165], ids=["small-profile-run", "profile-run-over-2-chunks"])
+def _expected_ssd_calls(layouts, max_rerun):
+    """(packed length, given an initial state) of each SSD forward call the prefill wrappers make for these
+    layouts (cuda.ssd_chunk_scan's dispatch): a lone resumed first sequence rides the packed call's own initial
+    state; up to max_rerun resumed sequences are rerun alone after a packed call without initial states; more
+    take the batched correction (one packed call)."""
+    calls = []
+    for lengths, resumed in layouts:
+        idx = [i for i, r in enumerate(resumed) if r]
+        calls.append((sum(lengths), idx == [0]))
+        if idx and idx != [0] and len(idx) <= max_rerun:
+            calls += [(lengths[i], True) for i in idx]
+    return calls
+
+
+def _triton_classes(n: int) -> str:
+    """Triton's specialisation of an integer argument: == 1, multiple of 16, other."""
+    return "1" if n == 1 else "16" if n % 16 == 0 else "other"
+
+
+@pytest.mark.parametrize("profile_tokens", [3, 165, 1100],
+                         ids=["small-profile-run", "profile-run-over-2-chunks", "profile-run-over-15-chunks"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens, monkeypatch):
     """Mamba2Mixer._warm_prefill_kernels (profile run) drives the real prefill path through each of its branches:
-    fresh prompts read in place, a sequence shorter than W-1 (extended conv buffer), a lone resumed sequence that
-    opens the batch (the packed call's own initial state), up to SEPARATE_RESUMED_MAX
-    resumed sequences (each rerun alone with its initial state), more (batched correction); once per layer
-    signature. When the profile run's batch is longer than two chunks, the FIRST call (the one the SSD kernels'
-    autotuners decide on) packs that many tokens. On "cuda" this compiles and autotunes the real kernels."""
+    fresh prompts (one: final states from state passing; several with a boundary inside a chunk: the varlen
+    final-state kernel), a sequence shorter than W-1 (extended conv buffer), a lone resumed sequence that opens
+    the batch (the packed call's own initial state) ending inside chunk 0 or on a chunk boundary, up to
+    SEPARATE_RESUMED_MAX resumed sequences (each rerun alone with its initial state), more (batched correction);
+    each of the first four at every class of Triton's integer specialisation a step can produce (chunk count
+    1 / 16k / other -- 16k only when the budget allows more than 15 chunks -- and packed length mod 16 in
+    0 / 8 / 4 / 2 / 1); once per layer signature. When the profile run's batch is longer than two chunks, the
+    FIRST call (the one the SSD kernels' autotuners decide on) packs that many tokens. On "cuda" this compiles
+    and autotunes the real kernels."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
@@ -1032,13 +1056,25 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     projected = torch.zeros(profile_tokens, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
 
     layer._warm_prefill_kernels(projected)
-    # packed calls of the five layouts: the third's lone first resumed sequence through the call's own initial
-    # state, the fourth's three resumed ones rerun (each with its own initial state); first, for a profile run of
-    # more than two chunks, two fresh prompts of its whole token count
+    layouts = layer._warm_prefill_layouts(ck.SEPARATE_RESUMED_MAX, profile_tokens)
+    assert all(sum(lengths) <= max(profile_tokens, 4 * cs) for lengths, _ in layouts)  # small ones, or within budget
+    assert calls == _expected_ssd_calls(layouts, ck.SEPARATE_RESUMED_MAX)
     first = [(profile_tokens, False)] if profile_tokens > 2 * cs else []
-    assert calls == first + [(2 * cs, False), (cs + 7, False), (37 + cs, True), (cs + 86, False), (37, True),
-                             (48, True), (1, True), (80, False),
-                             (cs // 2, False), (48 + cs, True), (15, True), (32, True)]  # one chunk, % 16 == 0
+    assert calls[:len(first)] == first
+    # every (chunk-count class, length mod 16, path) of the first four paths, as a step can produce them
+    chunk_classes = {"1", "other"} | ({"16"} if profile_tokens >= 15 * cs + 32 else set())
+    seen = {(_triton_classes(-(-sum(lengths) // cs)), sum(lengths) % 16, tuple(resumed), len(lengths) == 1)
+            for lengths, resumed in layouts[len(first):]}
+    for c in chunk_classes:
+        for r in (0, 8, 4, 2, 1):
+            assert (c, r, (False,), True) in seen  # one fresh prompt
+            assert (c, r, (False, False), False) in seen  # two, split inside a chunk
+            assert (c, r, (True, False), False) in seen  # resumed first sequence
+    assert any(lengths[0] % cs == 0 and resumed == [True, False] for lengths, resumed in layouts)  # on a boundary
+    assert ([1], [False]) in layouts and ([1], [True]) in layouts
+    assert any(min(lengths) < W - 1 and not any(resumed) for lengths, resumed in layouts)  # extended conv buffer
+    rerun = [r for r in calls if r[1]]
+    assert {37, 48, 1} <= {t for t, _ in rerun} and (80, False) in calls  # reruns and the batched correction
     n = len(calls)
     assert len(launched) >= 5
     layer._warm_prefill_kernels(projected)  # same signature: nothing runs again
@@ -1046,6 +1082,103 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (dtype, BF16))  # another SSM state dtype: warms again
     layer._warm_prefill_kernels(projected)
     assert len(calls) == 2 * n
+
+
+def _chunked_prefill_steps(rng, budget: int, n: int):
+    """n steps as vLLM's scheduler makes them with chunked prefill: nd decode rows, then a prefill block of at most
+    budget - nd tokens: maybe the rest of a prompt cut by the previous step (resumed), then fresh prompts, the
+    last one cut where the budget ends; and some small steps (a few short prompts)."""
+    steps = []
+    for i in range(n):
+        nd = rng.randint(0, 64)
+        if i % 4 == 3:  # a small step
+            lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 4))]
+            steps.append((nd, lengths, [False] * len(lengths)))
+            continue
+        room, lengths, resumed = budget - nd, [], []
+        if rng.random() < 0.5:
+            lengths.append(min(rng.randint(1, 4096), room))
+            resumed.append(True)
+        while sum(lengths) < room:
+            lengths.append(min(rng.choice([rng.randint(1, 600), rng.randint(1, 4096)]), room - sum(lengths)))
+            resumed.append(False)
+        steps.append((nd, lengths, resumed))
+    return steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [24, 80], ids=["130m", "2.7b"])
+def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypatch):
+    """After the profile run's warm-ups (prefill and decode), the steps of serving compile no Triton kernel: a
+    compile inside a step is a latency spike at a first request (vLLM's JIT monitor saw _state_passing_fwd_kernel
+    compile at the first requests of 2.7b runs on the H200, twelfth session). Steps as vLLM's scheduler makes them
+    at an 8 192-token budget (decode rows, a resumed chunk, fresh prompts, the last one cut), through the mixer's
+    own decode / prefill / norm steps. Triton's compile hook records every compile, warm-ups included, so a failure
+    names the specialisation the warm-up missed next to the ones it compiled."""
+    import random
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("mamba_ssm")
+    pytest.importorskip("causal_conv1d")
+    from triton import knobs
+
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    P, G, N, W, cs, budget, dev = 64, 1, 128, 4, 256, 8192, torch.device("cuda")
+    layer = _mixer_layer(f"warmjit{H}.mixer", H, P, G, N, W, cs)
+    with torch.no_grad():
+        for _, p in layer.named_parameters():
+            p.copy_(rnd(gen(91), *p.shape, scale=0.1))
+        layer.A.copy_(-torch.rand(H, generator=gen(92)) - 0.5)
+    layer = layer.to(dev)
+    for m in (layer.in_proj, layer.conv1d, layer.out_proj, layer.norm):
+        m.to(BF16)
+    monkeypatch.setattr(layer, "get_state_dtype", lambda: (BF16, BF16))
+    monkeypatch.setattr(mixer_mod.Mamba2Mixer, "_warm_prefill_signatures", set())
+    monkeypatch.setattr(mixer_mod.Mamba2Mixer, "_warm_decode_signatures", set())
+    compiles = []
+
+    def hook(**kw):
+        compiles.append((getattr(kw.get("fn"), "name", "?"), kw.get("repr", "?")))
+        return None
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
+    projected = torch.zeros(budget, layer.in_proj.out_features, device=dev, dtype=BF16)
+    layer._warm_prefill_kernels(projected)
+    layer._warm_decode_kernels(projected)
+    warm, compiles[:] = list(compiles), []
+
+    k = ck
+    conv_pool, ssm_pool = layer._scratch_pools(256, dev)
+    steps = [(0, [64, 64, 64, 64], [False] * 4), (0, [512], [False]), (0, [512] * 16, [False] * 16),
+             (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16)]
+    steps += _chunked_prefill_steps(random.Random(0), budget, 40)
+    missed = []
+    for nd, lengths, resumed in steps:
+        T = sum(lengths)
+        z, xBC, dt = layer._split_projection(torch.randn(nd + T, projected.shape[-1], device=dev, dtype=BF16))
+        if nd:
+            slots_d = torch.arange(1, nd + 1, device=dev)
+            y = layer._decode_step(k, xBC[:nd], dt[:nd], conv_pool, ssm_pool, slots_d, slots_d.to(torch.int32))
+            layer._gated_norm(k, y, z[:nd], out=projected.new_empty(nd, layer.d_inner))
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        flags = torch.tensor(resumed)
+        plan = k.plan_prefill(cu, flags, T, cs, W, dev)
+        slots = torch.arange(nd + 1, nd + 1 + len(lengths), device=dev)
+        y = layer._prefill_step(k, xBC[nd:], dt[nd:], conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
+                                bool(flags.any()), plan)
+        layer._gated_norm(k, y, z[nd:], out=projected.new_empty(T, layer.d_inner))
+        torch.cuda.synchronize()
+        if compiles:
+            missed.append((nd, lengths, resumed, list(compiles)))
+            compiles[:] = []
+    if missed:
+        names = {name for *_, cs_ in missed for name, _ in cs_}
+        lines = [f"decode rows {nd}, lengths {lengths}, resumed {resumed}:\n  " + "\n  ".join(r for _, r in cs_)
+                 for nd, lengths, resumed, cs_ in missed]
+        lines += ["compiled by the warm-ups:"] + [f"  {r}" for name, r in warm if name in names]
+        pytest.fail("steps compiled Triton kernels after the warm-ups:\n" + "\n".join(lines))
 
 
 def _ssu_specialisations(batches, H, P, N, state_dtype):

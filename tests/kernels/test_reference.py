@@ -355,7 +355,11 @@ def test_decode_updates_pass_over_padding_rows():
     h = ssm_state_update(ssm_pool, xs, dt, A, B, C, idx, D)
     h_ref = ssm_state_update(ssm_ref, xs[real], dt[real], A, B[real], C[real], idx[real], D)
     assert torch.equal(y[pad], torch.zeros(2, Dm)) and torch.equal(h[pad], torch.zeros(2, H, P))
-    assert torch.equal(y[real], y_ref) and torch.equal(h[real], h_ref)
+    # Up to float32 rounding, not bitwise: on a CPU, element-wise ops (silu's exp) take a vectorised or a scalar
+    # path by an element's position in the tensor, so a batch of 4 rows and one of 2 may differ in a last bit
+    # (seen on a 2-core CI-like machine: 3e-8 in the conv output).
+    torch.testing.assert_close(y[real], y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h[real], h_ref, rtol=1e-6, atol=1e-6)
     others = [s for s in range(slots) if s not in (0, 6, 3)]
     assert torch.equal(conv_pool[[6, 3] + others], conv_ref[[6, 3] + others])
     assert torch.equal(ssm_pool[[6, 3] + others], ssm_ref[[6, 3] + others])
