@@ -38,6 +38,11 @@
 # --impls plugin,plugin-triton-launch,intree (3 layouts, --host-profile, cold caches) 137 s; throughput.py --models 2.7b
 # --modes graph --batches 1,64 (both impls) 386 s (start-ups: plugin 181 s, in-tree 125 s; the plugin autotunes 17
 # more SSD configs than before); tests/gpu -k chunked 200 s. Two starts were refused (90 s of budget each).
+# Twelfth session (cold caches; the carried triton-autotune.tgz files held 0 kernels): setup 52-53 s, 111 s with the
+# causal-conv1d build; throughput.py --models 2.7b --modes graph --batches 1,64 --workloads decode --profile
+# --profile-batch 1,64 (both impls) 401 s (start-ups 164 + 123 s); --models 130m --modes graph (both, all cells) 351 s
+# (start-ups 157 + 117 s); tests/kernels -k nothing_to_compile (2) 151 s; --models 2.7b --modes eager: plugin
+# start-up 130 s, its four cells ~60 s, in-tree start-up 96 s.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
