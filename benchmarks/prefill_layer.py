@@ -4,6 +4,7 @@
     python benchmarks/prefill_layer.py --model tiny --layouts 4x32,4x32r --device cpu     # smoke (reference kernels)
     python benchmarks/prefill_layer.py --model 130m --impls plugin,intree                 # + vLLM's own kernels (CUDA)
     python benchmarks/prefill_layer.py --model 2.7b --impls plugin,plugin-triton-launch   # FastLaunch A/B (CUDA)
+    python benchmarks/prefill_layer.py --model 2.7b --layouts d33+r16+15x512+15 --host-profile  # a mixed step
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -17,7 +18,10 @@ context, so the one lookup the mixer makes in it (``compat.layer_metadata``) is 
 Layouts: "<S>x<L>" = S fresh prompts of L tokens packed together (T = S*L); a trailing "r" makes every other
 prompt a resumed chunk (it starts from the state in its slot: the initial-state correction path); "r1" makes
 only the first one resumed, as in a chunked-prefill step that continues the prompt the previous step cut (the
-plugin hands that sequence's state to the packed kernel calls as their own initial state).
+plugin hands that sequence's state to the packed kernel calls as their own initial state). Segments joined by "+"
+make any step (``parse_layout``): "d<N>" decode rows first, "r<L>" one resumed chunk, "<L>" one fresh prompt, e.g.
+"d33+r16+15x512+15", the mixed chunked-prefill step of the throughput harness's batch-64 cell (plugin only: the
+in-tree runner has prefill rows only).
 
 Reported per layout: host_us = CPU time to enqueue one layer (measured over ``--iters`` layers with no sync in
 between), wall_us = wall time per layer with the GPU kept busy (sync after the loop), device breakdown per
@@ -58,10 +62,36 @@ CHUNK = 256
 
 
 def parse_layout(spec: str):
-    """"16x512" -> (16, 512, resumed=""); "16x512r" -> every other prompt resumed; "16x512r1" -> the first only."""
-    s, _, rest = spec.partition("x")
-    l, r, how = rest.partition("r")
-    return int(s), int(l), (r + how if r else "")
+    """A layout -> (decode rows, prompt lengths, resumed flags). Segments joined by "+", in step order:
+    "d<N>" N one-token decode rows (first: vLLM's runner puts decodes first), "<S>x<L>" S fresh prompts of L tokens
+    ("...r": every other one resumed, "...r1": the first one resumed), "r<L>" one resumed chunk of L tokens, "<L>" one
+    fresh prompt. E.g. "16x512r1", or "d33+r16+15x512+15" (a chunked-prefill mixed step of 8 192 tokens: 33 decode
+    rows, the rest of a prompt the previous step cut, 15 prompts, the first 15 tokens of another)."""
+    nd, lengths, resumed = 0, [], []
+    for i, seg in enumerate(spec.split("+")):
+        if seg.startswith("d"):
+            if i or not seg[1:].isdigit():
+                raise SystemExit(f"layout {spec!r}: decode rows 'd<N>' come first, once")
+            nd = int(seg[1:])
+        elif seg.startswith("r") and seg[1:].isdigit():
+            lengths.append(int(seg[1:]))
+            resumed.append(True)
+        elif seg.isdigit():
+            lengths.append(int(seg))
+            resumed.append(False)
+        elif "x" in seg:
+            S_, _, rest = seg.partition("x")
+            L, r, how = rest.partition("r")
+            how = r + how
+            if not (S_.isdigit() and L.isdigit()) or how not in ("", "r", "r1"):
+                raise SystemExit(f"layout {spec!r}: bad segment {seg!r} (<S>x<L>, <S>x<L>r, <S>x<L>r1)")
+            lengths += [int(L)] * int(S_)
+            resumed += [(how == "r" and s % 2 == 1) or (how == "r1" and s == 0) for s in range(int(S_))]
+        else:
+            raise SystemExit(f"layout {spec!r}: bad segment {seg!r}")
+    if not lengths:
+        raise SystemExit(f"layout {spec!r} has no prompt (this benchmark is about prefill and mixed steps)")
+    return nd, lengths, resumed
 
 
 def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
@@ -86,23 +116,22 @@ def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
     return layer.to(dev)
 
 
-def make_step(layer: Mamba2Mixer, S, L, resumed, dtype, dev, seed=1):
+def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1):
     """Inputs, state pools (host copies: every implementation starts from the same values) and scheduler-side
-    metadata of one prefill-only step."""
+    metadata of one step: ``nd`` decode rows (one token each on a saved state), then the prompts."""
     g = torch.Generator().manual_seed(seed)
-    T = S * L
+    S = len(lengths)
+    R = nd + S  # requests
+    T = nd + sum(lengths)
     n_proj = layer.in_proj.out_features
-    slots_n = 2 * S + 1
+    slots_n = 2 * R + 1
     pools = (torch.randn(slots_n, CONV_WIDTH - 1, layer.conv_dim, generator=g) * 0.1,
              torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1)
-    slots = torch.randperm(slots_n - 1, generator=g)[:S] + 1  # slot 0 is the null block
-    qsl = torch.arange(S + 1, dtype=torch.int32) * L
-    if resumed not in ("", "r", "r1"):
-        raise SystemExit(f"unknown layout suffix {resumed!r}: use r (every other prompt) or r1 (the first)")
-    resumes = [(resumed == "r" and s % 2 == 1) or (resumed == "r1" and s == 0) for s in range(S)]
-    context = torch.tensor([7 if r else 0 for r in resumes], dtype=torch.int32)
+    slots = torch.randperm(slots_n - 1, generator=g)[:R] + 1  # slot 0 is the null block
+    qsl = torch.tensor([0] + [1] * nd + lengths).cumsum(0).to(torch.int32)
+    context = torch.tensor([600] * nd + [7 if r else 0 for r in resumed], dtype=torch.int32)
     projected = torch.randn(T, n_proj, generator=g).to(dev, dtype)
-    return dict(T=T, S=S, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context)
+    return dict(T=T, S=S, nd=nd, R=R, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context)
 
 
 def fresh_pools(step, dtype, dev):
@@ -111,17 +140,17 @@ def fresh_pools(step, dtype, dev):
 
 def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     """The plugin's own path: the metadata builder once (timed), then ``conv_ssm_forward`` per call."""
-    S, T, dtype = step["S"], step["T"], step["projected"].dtype
-    table = torch.zeros(S, 4, dtype=torch.int32)
+    R, T, dtype = step["R"], step["T"], step["projected"].dtype
+    table = torch.zeros(R, 4, dtype=torch.int32)
     table[:, 0] = step["slots"]
     seq = step["context"] + step["qsl"].diff()
     qsl = step["qsl"]
-    cam = SimpleNamespace(num_reqs=S, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
+    cam = SimpleNamespace(num_reqs=R, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
                           query_start_loc=qsl.to(dev), seq_lens=seq.to(dev), block_table_tensor=table.to(dev),
                           num_actual_tokens=T)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV_WIDTH)),
-        scheduler_config=SimpleNamespace(max_num_seqs=S), compilation_config=SimpleNamespace())
+        scheduler_config=SimpleNamespace(max_num_seqs=R), compilation_config=SimpleNamespace())
     builder = Mamba2PluginMetadataBuilder(None, [layer.prefix], vllm_config, dev)
     for _ in range(3):  # the last of three builds: the first pays one-time costs (pinned-memory set-up)
         t = time.perf_counter()
@@ -164,6 +193,8 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
     from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadataBuilder
     from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
 
+    if step["nd"]:
+        raise NotImplementedError("the in-tree runner has no decode rows (prefill-only layouts)")
     S, T = step["S"], step["T"]
     H, P = layer.num_heads, layer.head_dim
     t = time.perf_counter()
@@ -319,14 +350,16 @@ def main():
     # No engine, so no forward context: the mixer's one lookup in it answers with this step's metadata.
     with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
         for spec in args.layouts.split(","):
-            S, L, resumed = parse_layout(spec)
-            step = make_step(layer, S, L, resumed, dtype, dev)
+            nd, lengths, resumed = parse_layout(spec)
+            step = make_step(layer, nd, lengths, resumed, dtype, dev)
+            T, S = step["T"], step["S"]
             runs = {}
             for impl in impls:
                 layer.kv_cache = fresh_pools(step, dtype, dev)
                 try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
                     run, build_us = RUNNERS[impl](layer, step, dev, holder)
-                    r = dict(model=args.model, impl=impl, layout=spec, tokens=S * L, sequences=S, resumed=bool(resumed),
+                    r = dict(model=args.model, impl=impl, layout=spec, tokens=T, sequences=S, decode_rows=nd,
+                             resumed=sum(resumed),
                              device=str(dev), dtype=args.dtype, build_us=build_us,
                              **measure(run, dev, args.iters, args.rows))
                 except Exception:
@@ -335,7 +368,7 @@ def main():
                     continue
                 runs[impl] = run
                 r["step_ms_estimate"] = r["wall_us"] * layers / 1e3
-                print(f"{args.model} {impl:>6} {spec:>9} T={S * L}: metadata build {build_us:.0f} us | per layer: "
+                print(f"{args.model} {impl:>6} {spec:>9} T={T}: metadata build {build_us:.0f} us | per layer: "
                       f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
                       f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
                 for name, us, count in r["kernels"]:
