@@ -230,9 +230,10 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         prompt (final states from state passing), fresh prompts with a boundary inside a chunk (the varlen
         final-state kernel), a resumed first sequence ending inside chunk 0 or on a chunk boundary (the packed
         call's own initial state)). The chunk count reaches 16 only in steps of more than 15 chunks, so that
-        class is warmed only when the budget allows such steps (T = 15 chunks + 16..24 tokens). (On the H200 the JIT monitor saw
-        ``_state_passing_fwd_kernel`` compile at the first requests of 2.7b runs: steps of 8 159-8 190 tokens,
-        32 chunks, against warm-up layouts of at most two chunks; RESULTS.md, eleventh and twelfth sessions.)
+        class is warmed only when the budget allows such steps (T = 15 chunks + 16..24 tokens). (On the H200 the
+        JIT monitor saw ``_state_passing_fwd_kernel`` compile at the first requests of 2.7b runs: steps of
+        8 159-8 190 tokens, 32 chunks, against warm-up layouts of at most two chunks; RESULTS.md, eleventh and
+        twelfth sessions.)
 
         Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer),
         up to ``SEPARATE_RESUMED_MAX`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the
@@ -274,17 +275,24 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
         conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
         for lengths, resumed in layouts:
-            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # host bounds, as the builder's
-            T, flags = int(cu[-1]), torch.tensor(resumed)
-            z, xBC, dt = self._split_projection(projected.new_zeros(T, projected.shape[-1]))
-            plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
-            slots = torch.arange(1, len(lengths) + 1, device=dev)
-            y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                                   bool(flags.any()), plan)
-            self._gated_norm(k, y, z, out=projected.new_empty(T, self.d_inner))
+            self._run_prefill_layout(k, projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
+                                     conv_pool, ssm_pool)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         Mamba2Mixer._warm_prefill_signatures.add(sig)
+
+    def _run_prefill_layout(self, k, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1) -> None:
+        """One packed prefill block through the real prefill path and its gated norm: ``rows`` (sum(lengths),
+        projection width) of projection outputs, sequences of ``lengths`` in slots first_slot, first_slot + 1, ...,
+        each resuming its slot's state where ``resumed`` says so. The output is thrown away (warm-ups, tests)."""
+        cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
+        T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
+        z, xBC, dt = self._split_projection(rows)
+        plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
+        slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
+        y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
+                               bool(flags.any()), plan)
+        self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile

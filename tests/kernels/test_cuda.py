@@ -1149,26 +1149,19 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
     layer._warm_decode_kernels(projected)
     warm, compiles[:] = list(compiles), []
 
-    k = ck
     conv_pool, ssm_pool = layer._scratch_pools(256, dev)
     steps = [(0, [64, 64, 64, 64], [False] * 4), (0, [512], [False]), (0, [512] * 16, [False] * 16),
              (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16)]
     steps += _chunked_prefill_steps(random.Random(0), budget, 40)
     missed = []
     for nd, lengths, resumed in steps:
-        T = sum(lengths)
-        z, xBC, dt = layer._split_projection(torch.randn(nd + T, projected.shape[-1], device=dev, dtype=BF16))
+        rows = torch.randn(nd + sum(lengths), projected.shape[-1], device=dev, dtype=BF16)
         if nd:
+            z, xBC, dt = layer._split_projection(rows[:nd])
             slots_d = torch.arange(1, nd + 1, device=dev)
-            y = layer._decode_step(k, xBC[:nd], dt[:nd], conv_pool, ssm_pool, slots_d, slots_d.to(torch.int32))
-            layer._gated_norm(k, y, z[:nd], out=projected.new_empty(nd, layer.d_inner))
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        flags = torch.tensor(resumed)
-        plan = k.plan_prefill(cu, flags, T, cs, W, dev)
-        slots = torch.arange(nd + 1, nd + 1 + len(lengths), device=dev)
-        y = layer._prefill_step(k, xBC[nd:], dt[nd:], conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                                bool(flags.any()), plan)
-        layer._gated_norm(k, y, z[nd:], out=projected.new_empty(T, layer.d_inner))
+            y = layer._decode_step(ck, xBC, dt, conv_pool, ssm_pool, slots_d, slots_d.to(torch.int32))
+            layer._gated_norm(ck, y, z, out=projected.new_empty(nd, layer.d_inner))
+        layer._run_prefill_layout(ck, rows[nd:], lengths, resumed, conv_pool, ssm_pool, first_slot=nd + 1)
         torch.cuda.synchronize()
         if compiles:
             missed.append((nd, lengths, resumed, list(compiles)))
@@ -1183,8 +1176,7 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
 
 def _ssu_specialisations(batches, H, P, N, state_dtype):
     """(launch, Triton's class of the integer batch argument) of each batch size's state update."""
-    return {(ck.ssu_launch_config(b, H, P, N, state_dtype), "one" if b == 1 else "x16" if b % 16 == 0 else "other")
-            for b in batches}
+    return {(ck.ssu_launch_config(b, H, P, N, state_dtype), _triton_classes(b)) for b in batches}
 
 
 @pytest.mark.parametrize("state_dtype", [BF16, F32, torch.float64], ids=["bf16", "f32", "f64"])
