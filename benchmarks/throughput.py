@@ -2,10 +2,15 @@
 
     python benchmarks/throughput.py --models 130m --modes graph,eager --out /tmp/bench
     python benchmarks/throughput.py --models 2.7b,7b --modes graph --out $OUT --md benchmarks/RESULTS.md
+    python benchmarks/throughput.py --models 2.7b --modes eager --interleave --out $OUT   # host-bound cells
 
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
-that one engine. Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
+that one engine. By default the workers run one after the other. --interleave keeps every implementation's engine
+alive (started one after the other, each with an equal share of the GPU memory) and runs each cell on all of them
+in turn, alternating which goes first: host-bound cells (eager mode, mixed prefill steps) then compare runs a few
+seconds apart instead of minutes apart. On the H200 the host's speed drifts by up to 2x between and within calls
+(the same eager 2.7b batch-1 cell of the plugin: 47.5 ms per step in one call, 27.4 ms in the next). Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
 Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
 ``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is the old name of the default (results before
@@ -195,7 +200,8 @@ def worker(args) -> None:
                   max_num_batched_tokens=job["max_num_batched_tokens"],
                   mamba_ssm_cache_dtype=job["ssm_dtype"], seed=0, enforce_eager=job["mode"] == "eager")
     if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = 0.85
+        # --interleave: every implementation's engine is alive at once, so they share the GPU's memory.
+        kwargs["gpu_memory_utilization"] = 0.85 / job.get("engines", 1)
     if job["mode"] == "graph":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(DECODE["batches"]))}
     if job.get("jit_verbose"):
@@ -242,7 +248,8 @@ def worker(args) -> None:
     run(4, 64, 8)  # warm-up
     emit = dict(model=job["model"], impl=job["impl"], mode=job["mode"], model_class=cls, startup_s=startup,
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
-    for batch in DECODE["batches"] if "decode" in workloads else []:
+
+    def decode_cell(batch):
         run(batch, DECODE["prompt"], 4)  # warm-up: this batch's prefill shapes and decode batch size
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
         steps = timeline.summary(runs[-1][5], batch, *runs[-1][3:5])
@@ -252,7 +259,8 @@ def worker(args) -> None:
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]),
                                           timeline=steps)), flush=True)
-    if "prefill" in workloads:
+
+    def prefill_cell():
         import statistics
 
         run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
@@ -270,6 +278,22 @@ def worker(args) -> None:
                                           timeline=dict(steps=len(periods) + len(timed),
                                                         median_ms=round(statistics.median(periods), 3)
                                                         if periods else None))), flush=True)
+
+    if job.get("interleave"):
+        # The parent sends one cell at a time (a JSON line: {"workload": ..., "batch": ...}, or null to stop) and
+        # waits for this worker's DONE before it sends the next cell to the other implementation's worker.
+        print("READY", flush=True)
+        for line in sys.stdin:
+            cell = json.loads(line)
+            if cell is None:
+                break
+            decode_cell(cell["batch"]) if cell["workload"] == "decode" else prefill_cell()
+            print("DONE", flush=True)
+    else:
+        for batch in DECODE["batches"] if "decode" in workloads else []:
+            decode_cell(batch)
+        if "prefill" in workloads:
+            prefill_cell()
     # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
     with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
         json.dump(dict(runs=runs, steps=timeline.steps), f)
@@ -345,6 +369,56 @@ def markdown(rows, bw, cmd) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Worker:
+    """One worker process (one engine): its log file, and the RESULT / READY / DONE lines of its stdout."""
+
+    def __init__(self, model, impl, mode, job, env, out):
+        self.name = f"{model}/{impl}/{mode}"
+        self.log = open(os.path.join(out, f"worker-{model}-{impl}-{mode}.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
+                                     stdin=subprocess.PIPE if job.get("interleave") else None,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def lines(self):
+        """The worker's RESULT lines as they come; everything else goes to its log (vLLM logs to stdout)."""
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                yield line
+            elif line.strip() in ("READY", "DONE"):
+                yield line.strip()
+            else:
+                self.log.write(line)
+                self.log.flush()
+
+    def wait_for(self, marker, on_result) -> bool:
+        """Read until ``marker``; RESULT lines go to on_result. False if the worker ended first."""
+        for line in self.lines():
+            if line == marker:
+                return True
+            if line.startswith("RESULT "):
+                on_result(line)
+        self.finish()
+        return False
+
+    def send(self, cell) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps(cell) + "\n")
+            self.proc.stdin.flush()
+
+    def finish(self) -> None:
+        if self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        for line in self.proc.stdout:
+            self.log.write(line)
+        self.proc.wait()
+        self.log.close()
+        if self.proc.returncode:
+            print(f"worker {self.name} exited {self.proc.returncode}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="130m")
@@ -361,6 +435,9 @@ def main() -> None:
                     help="batch(es) of the profiled decode run(s), comma-separated (default: the largest of --batches)")
     ap.add_argument("--jit-verbose", action="store_true",
                     help="vLLM's JIT monitor logs each compile during serving with its signature (worker logs)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep every implementation's engine alive and run each cell on all of them in turn "
+                         "(host-bound cells, e.g. eager mode: the host's speed drifts over minutes)")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -375,14 +452,33 @@ def main() -> None:
     jsonl = os.path.join(args.out, "bench.jsonl")
     rows = []
     cmd = "python benchmarks/throughput.py " + " ".join(sys.argv[1:])
+    impls = args.impls.split(",")
+    for impl in impls:
+        if impl not in ("plugin", "plugin-full", "plugin-piecewise", "intree"):
+            raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
+
+    def record(model, line):
+        r = json.loads(line[len("RESULT "):])
+        if r["workload"] == "decode":
+            dt = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+            sd = r["state_dtypes"] or ["torch.bfloat16", "torch.bfloat16"]
+            w, s_ = bytes_per_step(model, r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
+            r["floor_step_s"] = (w + 2 * r["batch"] * s_) / bw
+            r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
+            r["bytes_per_step"] = w + 2 * r["batch"] * s_
+            r["decode_step_ms"] = 1e3 * r["decode_step_s"]
+        rows.append(r)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(json.dumps(r), flush=True)
+
     for model in args.models.split(","):
         model_dir = write_config(model, args.out)
         for mode in args.modes.split(","):
-            for impl in args.impls.split(","):
-                if impl not in ("plugin", "plugin-full", "plugin-piecewise", "intree"):
-                    raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
-                if impl in ("plugin-full", "plugin-piecewise") and mode != "graph":
-                    continue  # graph-mode variants of the plugin
+            # graph-mode variants of the plugin only in graph mode
+            mode_impls = [i for i in impls if not (i in ("plugin-full", "plugin-piecewise") and mode != "graph")]
+            workers = []
+            for impl in mode_impls:
                 env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
                 if impl == "intree":
                     env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
@@ -396,33 +492,36 @@ def main() -> None:
                            batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
                            workloads=args.workloads.split(","),
                            profile_batch=[int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None,
-                           jit_verbose=args.jit_verbose,
+                           jit_verbose=args.jit_verbose, interleave=args.interleave,
+                           engines=len(mode_impls) if args.interleave else 1,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
                            if args.profile else None)
-                log = open(os.path.join(args.out, f"worker-{model}-{impl}-{mode}.log"), "w")
-                proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for line in proc.stdout:
-                    if not line.startswith("RESULT "):
-                        log.write(line)  # vLLM logs to stdout: keep them with the worker's stderr
-                        continue
-                    r = json.loads(line[len("RESULT "):])
-                    if r["workload"] == "decode":
-                        dt = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
-                        sd = r["state_dtypes"] or ["torch.bfloat16", "torch.bfloat16"]
-                        w, s = bytes_per_step(model, r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
-                        r["floor_step_s"] = (w + 2 * r["batch"] * s) / bw
-                        r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
-                        r["bytes_per_step"] = w + 2 * r["batch"] * s
-                        r["decode_step_ms"] = 1e3 * r["decode_step_s"]
-                    rows.append(r)
-                    with open(jsonl, "a") as f:
-                        f.write(json.dumps(r) + "\n")
-                    print(json.dumps(r), flush=True)
-                proc.wait()
-                log.close()
-                if proc.returncode:
-                    print(f"worker {model}/{impl}/{mode} exited {proc.returncode}", flush=True)
+                w = Worker(model, impl, mode, job, env, args.out)
+                if not args.interleave:
+                    for line in w.lines():
+                        if line.startswith("RESULT "):
+                            record(model, line)
+                    w.finish()
+                    continue
+                # Started one after the other (each engine sizes its state pools from the memory it sees free),
+                # then kept alive together.
+                if w.wait_for("READY", lambda line: None):
+                    workers.append(w)
+            if not workers:
+                continue
+            batches = ([int(b) for b in args.batches.split(",")] if args.batches else
+                       (SMOKE_DECODE if args.smoke else DECODE)["batches"])
+            cells = ([dict(workload="decode", batch=b) for b in batches] if "decode" in args.workloads else []) + \
+                ([dict(workload="prefill")] if "prefill" in args.workloads else [])
+            for i, cell in enumerate(cells):
+                # Alternate which implementation goes first, so neither is always the one after a long idle.
+                for w in list(workers if i % 2 == 0 else workers[::-1]):
+                    w.send(cell)
+                    if not w.wait_for("DONE", lambda line: record(model, line)):
+                        workers.remove(w)  # it ended (crashed): the others go on
+            for w in workers:
+                w.send(None)
+                w.finish()
     table = markdown(rows, bw, cmd)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
