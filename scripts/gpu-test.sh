@@ -43,6 +43,10 @@
 # --profile-batch 1,64 (both impls) 401 s (start-ups 164 + 123 s); --models 130m --modes graph (both, all cells) 351 s
 # (start-ups 157 + 117 s); tests/kernels -k nothing_to_compile (2) 151 s; --models 2.7b --modes eager: plugin
 # start-up 130 s, its four cells ~60 s, in-tree start-up 96 s.
+# Thirteenth session (carried causal-conv1d build): setup 59-64 s; throughput.py --models 2.7b --modes eager (both,
+# one after the other) did not finish in 430 s (start-ups 166 + 105 s); the same with --interleave 412 s (start-ups
+# 150 + 103 s, all eight cells); prefill_layer.py --model 2.7b --layouts d33+r16+15x512+15,16x512r1 --host-profile 29 s.
+# Two starts were refused (90 s of budget each).
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
