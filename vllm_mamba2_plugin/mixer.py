@@ -215,12 +215,17 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _warm_prefill_layouts(self, max_rerun: int, tokens: int = 0):
         """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs.
 
-        First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: two
-        fresh prompts filling it. mamba-ssm's SSD kernels are autotuned once per key of head, state and chunk
-        sizes -- not length -- on the arguments of their first call, and that choice then serves every step;
+        First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: three
+        layouts filling it, one per call signature of the SSD kernels. mamba-ssm's SSD kernels are autotuned once
+        per key of head, state and chunk sizes -- not length -- and tensor dtypes (an argument given or None
+        counts), on the arguments of that signature's first call, and that choice then serves every step;
         tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
-        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session). Its intermediates are
-        allocated inside the profile run that sizes the state pools, as a real step of that size allocates them.
+        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session). So: two fresh prompts (the
+        packed call), a resumed first sequence ending inside chunk 0 (state passing with an initial state; the
+        varlen final-state kernel) and a resumed second sequence (its rerun: the kernels without seq_idx). The
+        H200's autotuning files showed the rerun signatures tuned on small layouts taking tiles 1.1-1.4x slower
+        on a full step (RESULTS.md, thirteenth session). Their intermediates are allocated inside the profile
+        run that sizes the state pools, as a real step of that size allocates them.
 
         Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
         (== 1, a multiple of 16, other) and pointer alignments. In the SSD kernels the integers that change from
@@ -239,7 +244,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         up to ``SEPARATE_RESUMED_MAX`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the
         batched correction)."""
         cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
-        layouts = [([tokens // 2, tokens - tokens // 2], [False, False])] if tokens > 2 * cs else []
+        layouts = [
+            ([tokens // 2, tokens - tokens // 2], [False, False]),  # the packed call (seq_idx, no initial state)
+            ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
+            ([1, tokens - 1], [False, True]),  # a rerun: the kernels without seq_idx, with an initial state
+        ] if tokens > 2 * cs else []
         for chunks in [1, 2] + ([16] if tokens >= 15 * cs + 32 else []):
             for residue in (0, 8, 4, 2, 1):
                 T = (chunks - 1) * cs + 16 + residue  # chunk_size is a multiple of 16 (64, 128, 256 in practice)

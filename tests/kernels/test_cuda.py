@@ -1059,12 +1059,17 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     layouts = layer._warm_prefill_layouts(ck.SEPARATE_RESUMED_MAX, profile_tokens)
     assert all(sum(lengths) <= max(profile_tokens, 4 * cs) for lengths, _ in layouts)  # small ones, or within budget
     assert calls == _expected_ssd_calls(layouts, ck.SEPARATE_RESUMED_MAX)
-    first = [(profile_tokens, False)] if profile_tokens > 2 * cs else []
+    # The first call of each SSD call signature (packed without / with an initial state; a rerun: no seq_idx)
+    # packs the whole budget: the autotuners decide on it. (Packed calls carry seq_idx, reruns do not.)
+    T = profile_tokens
+    first = [(T, False), (T, True), (T, False), (T - 1, True)] if T > 2 * cs else []
     assert calls[:len(first)] == first
+    if first:
+        assert layouts[2][1] == [False, True]  # the rerun's call: a resumed sequence that is not the first
     # every (chunk-count class, length mod 16, path) of the first four paths, as a step can produce them
     chunk_classes = {"1", "other"} | ({"16"} if profile_tokens >= 15 * cs + 32 else set())
     seen = {(_triton_classes(-(-sum(lengths) // cs)), sum(lengths) % 16, tuple(resumed), len(lengths) == 1)
-            for lengths, resumed in layouts[len(first):]}
+            for lengths, resumed in layouts[3 if first else 0:]}
     for c in chunk_classes:
         for r in (0, 8, 4, 2, 1):
             assert (c, r, (False,), True) in seen  # one fresh prompt
