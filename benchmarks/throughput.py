@@ -10,7 +10,8 @@ that one engine. By default the workers run one after the other. --interleave ke
 alive (started one after the other, each with an equal share of the GPU memory) and runs each cell on all of them
 in turn, alternating which goes first: host-bound cells (eager mode, mixed prefill steps) then compare runs a few
 seconds apart instead of minutes apart. On the H200 the host's speed drifts by up to 2x between and within calls
-(the same eager 2.7b batch-1 cell of the plugin: 47.5 ms per step in one call, 27.4 ms in the next). Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
+(the same eager 2.7b batch-1 cell of the plugin: 47.5 ms per step in one call, 27.4 ms in the next).
+Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
 Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
 ``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is the old name of the default (results before
@@ -43,7 +44,8 @@ themselves are that long, or whether a few long ones (or a slow front end) make 
 
 --profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
 CPU + CUDA activity) records one decode run per batch of ``--profile-batch`` (default: the largest batch; prompt
-512, ``PROFILE_NEW`` new tokens) and one prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land in <out>/profile-<model>-<impl>-<mode>/.
+512, ``PROFILE_NEW`` new tokens) and one prefill-heavy run; the gzipped chrome trace and vLLM's kernel table land
+in <out>/profile-<model>-<impl>-<mode>/.
 ``benchmarks/trace_steps.py`` turns a trace into per-step host / device tables.
 """
 
@@ -379,24 +381,17 @@ class Worker:
                                      stdin=subprocess.PIPE if job.get("interleave") else None,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def lines(self):
-        """The worker's RESULT lines as they come; everything else goes to its log (vLLM logs to stdout)."""
+    def read(self, on_result, until=None) -> bool:
+        """Read the worker's stdout until the line ``until`` (READY / DONE; None: to its end): RESULT lines go to
+        on_result, everything else to its log (vLLM logs to stdout). False if the worker ended first."""
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
-                yield line
-            elif line.strip() in ("READY", "DONE"):
-                yield line.strip()
+                on_result(line)
+            elif until is not None and line.strip() == until:
+                return True
             else:
                 self.log.write(line)
                 self.log.flush()
-
-    def wait_for(self, marker, on_result) -> bool:
-        """Read until ``marker``; RESULT lines go to on_result. False if the worker ended first."""
-        for line in self.lines():
-            if line == marker:
-                return True
-            if line.startswith("RESULT "):
-                on_result(line)
         self.finish()
         return False
 
@@ -444,7 +439,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    unknown = set(args.workloads.split(",")) - {"decode", "prefill"}
+    impls, workloads = args.impls.split(","), args.workloads.split(",")
+    unknown = set(workloads) - {"decode", "prefill"}
     if unknown:
         raise SystemExit(f"unknown workload(s) {sorted(unknown)}: use decode, prefill or both")
     os.makedirs(args.out, exist_ok=True)
@@ -452,7 +448,10 @@ def main() -> None:
     jsonl = os.path.join(args.out, "bench.jsonl")
     rows = []
     cmd = "python benchmarks/throughput.py " + " ".join(sys.argv[1:])
-    impls = args.impls.split(",")
+    # the decode batch sizes: the worker's too (it gets them in its job), and the cells --interleave sends
+    batches = ([int(b) for b in args.batches.split(",")] if args.batches else
+               (SMOKE_DECODE if args.smoke else DECODE)["batches"])
+    profile_batch = [int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None
     for impl in impls:
         if impl not in ("plugin", "plugin-full", "plugin-piecewise", "intree"):
             raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
@@ -489,35 +488,26 @@ def main() -> None:
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
                            out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
-                           batches=[int(b) for b in args.batches.split(",")] if args.batches else None,
-                           workloads=args.workloads.split(","),
-                           profile_batch=[int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None,
+                           batches=batches if args.batches else None, workloads=workloads,
+                           profile_batch=profile_batch,
                            jit_verbose=args.jit_verbose, interleave=args.interleave,
                            engines=len(mode_impls) if args.interleave else 1,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
                            if args.profile else None)
                 w = Worker(model, impl, mode, job, env, args.out)
                 if not args.interleave:
-                    for line in w.lines():
-                        if line.startswith("RESULT "):
-                            record(model, line)
-                    w.finish()
-                    continue
+                    w.read(lambda line: record(model, line))  # all its cells, to its end
                 # Started one after the other (each engine sizes its state pools from the memory it sees free),
                 # then kept alive together.
-                if w.wait_for("READY", lambda line: None):
+                elif w.read(lambda line: None, until="READY"):
                     workers.append(w)
-            if not workers:
-                continue
-            batches = ([int(b) for b in args.batches.split(",")] if args.batches else
-                       (SMOKE_DECODE if args.smoke else DECODE)["batches"])
-            cells = ([dict(workload="decode", batch=b) for b in batches] if "decode" in args.workloads else []) + \
-                ([dict(workload="prefill")] if "prefill" in args.workloads else [])
-            for i, cell in enumerate(cells):
+            cells = ([dict(workload="decode", batch=b) for b in batches] if "decode" in workloads else []) + \
+                ([dict(workload="prefill")] if "prefill" in workloads else [])
+            for i, cell in enumerate(cells if workers else []):
                 # Alternate which implementation goes first, so neither is always the one after a long idle.
                 for w in list(workers if i % 2 == 0 else workers[::-1]):
                     w.send(cell)
-                    if not w.wait_for("DONE", lambda line: record(model, line)):
+                    if not w.read(lambda line: record(model, line), until="DONE"):
                         workers.remove(w)  # it ended (crashed): the others go on
             for w in workers:
                 w.send(None)
