@@ -34,7 +34,10 @@ Results go out as JSON lines as they come (a run cut short still reports what fi
 
 The prefill cell runs once untimed and then ``PREFILL["repeats"]`` times timed: its tok/s come from the median
 run (``runs_s`` lists all), its ``timeline.median_ms`` is the median engine step period over the timed runs
-(shown in the step columns in parentheses), since one ~0.3 s run is within the host's noise.
+(shown in the step columns in parentheses), since one ~0.3 s run is within the host's noise. With --interleave
+the timed runs alternate between the engines run by run (A B, B A, ...): at 2.7b with CUDA graphs the 8 192-token
+prefill steps are host-bound (no graph that large), and the same engine's steps ranged 81-129 ms within one call.
+``--prefill-repeats`` sets the number of timed runs.
 
 Each decode cell also reports ``timeline``: the engine's own step periods during the timed run (``StepTimeline``:
 engine-core timestamps of the steps' outputs, full-batch steps only; median, mean, p90, max, first and second
@@ -196,6 +199,8 @@ def worker(args) -> None:
         DECODE, PREFILL = SMOKE_DECODE, SMOKE_PREFILL
     if job.get("batches"):
         DECODE = dict(DECODE, batches=job["batches"])
+    if job.get("prefill_repeats"):
+        PREFILL = dict(PREFILL, repeats=job["prefill_repeats"])
     workloads = job.get("workloads") or ["decode", "prefill"]
     kwargs = dict(model=job["model_dir"], dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                   max_model_len=PREFILL["prompt"] + 16, max_num_seqs=max(DECODE["batches"]),
@@ -244,6 +249,9 @@ def worker(args) -> None:
         sync()
         el = time.perf_counter() - t
         runs.append((batch, prompt_len, new, m0, time.monotonic(), begin))
+        # To the worker log as it happens: a call cut by its time limit still shows the runs that finished
+        # (the interleaved prefill cell prints its RESULT only after its last run).
+        print(f"run: batch {batch}, prompt {prompt_len}, new {new}: {el:.4f} s", flush=True)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         return el, n_out, batch * prompt_len
 
@@ -262,16 +270,22 @@ def worker(args) -> None:
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]),
                                           timeline=steps)), flush=True)
 
-    def prefill_cell():
+    prefill_timed = []  # (seconds, outputs, inputs, index into runs) of the prefill cell's timed runs
+
+    def prefill_run(timed=True):
+        prefill_timed.append(run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"]) + (len(runs) - 1,))
+        if not timed:  # the warm-up run
+            prefill_timed.pop()
+
+    def prefill_report():
         import statistics
 
-        run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])  # warm-up
-        timed = [run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"]) for _ in range(PREFILL["repeats"])]
+        timed = prefill_timed
         el = statistics.median(t[0] for t in timed)
         n_out, n_in = timed[0][1], timed[0][2]
         # Engine step periods inside the timed runs (8 192-token prefill steps, then one short last step).
         periods = []
-        for r in runs[-PREFILL["repeats"]:]:
+        for r in (runs[t[3]] for t in timed):
             stamps = [st[0] for st in timeline.steps[r[5]:] if st[0] <= r[4]]
             periods += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
         print("RESULT " + json.dumps(dict(emit, workload="prefill", batch=PREFILL["batch"], prompt=PREFILL["prompt"],
@@ -283,19 +297,26 @@ def worker(args) -> None:
 
     if job.get("interleave"):
         # The parent sends one cell at a time (a JSON line: {"workload": ..., "batch": ...}, or null to stop) and
-        # waits for this worker's DONE before it sends the next cell to the other implementation's worker.
+        # waits for this worker's DONE before it sends the next cell to the other implementation's worker. The
+        # prefill cell comes in parts, so that its timed runs alternate between the engines run by run
+        # (a run is ~1 s, and the host's speed moves within seconds): "prefill-warm", then "prefill-run" per
+        # timed run, then "prefill-report".
         print("READY", flush=True)
         for line in sys.stdin:
             cell = json.loads(line)
             if cell is None:
                 break
-            decode_cell(cell["batch"]) if cell["workload"] == "decode" else prefill_cell()
+            {"decode": lambda: decode_cell(cell["batch"]), "prefill-warm": lambda: prefill_run(timed=False),
+             "prefill-run": prefill_run, "prefill-report": prefill_report}[cell["workload"]]()
             print("DONE", flush=True)
     else:
         for batch in DECODE["batches"] if "decode" in workloads else []:
             decode_cell(batch)
         if "prefill" in workloads:
-            prefill_cell()
+            prefill_run(timed=False)
+            for _ in range(PREFILL["repeats"]):
+                prefill_run()
+            prefill_report()
     # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
     with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
         json.dump(dict(runs=runs, steps=timeline.steps), f)
@@ -433,6 +454,8 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="keep every implementation's engine alive and run each cell on all of them in turn "
                          "(host-bound cells, e.g. eager mode: the host's speed drifts over minutes)")
+    ap.add_argument("--prefill-repeats", type=int, default=None,
+                    help=f"timed runs of the prefill cell (default {PREFILL['repeats']}); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -489,7 +512,7 @@ def main() -> None:
                            out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
                            batches=batches if args.batches else None, workloads=workloads,
-                           profile_batch=profile_batch,
+                           profile_batch=profile_batch, prefill_repeats=args.prefill_repeats,
                            jit_verbose=args.jit_verbose, interleave=args.interleave,
                            engines=len(mode_impls) if args.interleave else 1,
                            profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
@@ -501,8 +524,10 @@ def main() -> None:
                 # then kept alive together.
                 elif w.read(lambda line: None, until="READY"):
                     workers.append(w)
+            repeats = args.prefill_repeats or (SMOKE_PREFILL if args.smoke else PREFILL)["repeats"]
             cells = ([dict(workload="decode", batch=b) for b in batches] if "decode" in workloads else []) + \
-                ([dict(workload="prefill")] if "prefill" in workloads else [])
+                ([dict(workload=part) for part in ["prefill-warm"] + ["prefill-run"] * repeats + ["prefill-report"]]
+                 if "prefill" in workloads else [])
             for i, cell in enumerate(cells if workers else []):
                 # Alternate which implementation goes first, so neither is always the one after a long idle.
                 for w in list(workers if i % 2 == 0 else workers[::-1]):

@@ -47,6 +47,12 @@
 # one after the other) did not finish in 430 s (start-ups 166 + 105 s); the same with --interleave 412 s (start-ups
 # 150 + 103 s, all eight cells); prefill_layer.py --model 2.7b --layouts d33+r16+15x512+15,16x512r1 --host-profile 29 s.
 # Two starts were refused (90 s of budget each).
+# Fourteenth session: setup 40-57 s; throughput.py --models 2.7b --modes graph --workloads prefill --interleave (both)
+# 365 s cold (start-ups 175 + 126 s); tests/kernels/test_cuda.py -k nothing_to_compile: the 130m case alone 141 s
+# after that (give the pair ~170 s); --models 7b --modes graph --interleave --prefill-repeats 6 (all cells, both)
+# 438 s cold (start-ups 172 + 129 s); the 2.7b prefill cell with --prefill-repeats 6 and a carried autotuning file
+# did not finish in 268 s (start-ups 144 + 116 s, then in-tree's compiles during its first runs): allow ~330 s.
+# One start was refused (90 s of budget).
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
