@@ -20,10 +20,11 @@
 # launch_table' 115 s; tests/gpu: first engine test 153 s, eager g8_bias 114 s, piecewise 164 s, FULL 110 s, bf16
 # 113 s -- tests/gpu -k 'not in_tree' no longer fits one call after setup: use three calls, or -k subsets.
 # A call refused for want of a machine still costs 15-90 s of budget.
-# Eighth session (carried causal-conv1d build, no autotuning file -- graph-mode runs did not save one until the
-# VLLM_DISABLE_COMPILE_CACHE line below): setup 53-70 s; throughput.py --models 130m --modes graph (both impls, all
-# cells) 306 s; --models 130m --workloads prefill --profile (both) 316 s; --models 2.7b --batches 256 --workloads
-# decode (both) 398 s (start-ups 158 + 142 s), so a bf16 + fp32 pair of that cell does not fit one call;
+# Eighth session (carried causal-conv1d build, no autotuning file -- graph-mode runs did not save one: the
+# VLLM_DISABLE_COMPILE_CACHE line below was not enough, the TRITON_CACHE_DIR export is the fix): setup 53-70 s;
+# throughput.py --models 130m --modes graph (both impls, all cells) 306 s; --models 130m --workloads prefill
+# --profile (both) 316 s; --models 2.7b --batches 256 --workloads decode (both) 398 s (start-ups 158 + 142 s), so a
+# bf16 + fp32 pair of that cell does not fit one call;
 # benchmarks/conv_update.py 24 s; tests/kernels -k 'conv_update_pool or causal_conv1d or chunked or warmup' 79 s.
 # Ninth session: setup 35-60 s; MAMBA_DETERMINISTIC=1 tests/kernels (all, 223) 161 s; tests/gpu -k 'kernels_are or
 # chunked or full_decode' 277 s; throughput.py --models 2.7b --batches 256 --workloads decode --profile (both) 400 s
@@ -84,7 +85,14 @@ export TRITON_CACHE_AUTOTUNING=1
 # empty triton-autotune.tgz). Disabling that cache keeps Triton's own directory; on a fresh machine nothing is
 # cached anyway, so it costs no compile time.
 export VLLM_DISABLE_COMPILE_CACHE=${VLLM_DISABLE_COMPILE_CACHE:-1}
-TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+# Exported, not only used here: torch's Inductor sets TRITON_CACHE_DIR to its own directory when it is unset
+# (torch/_inductor/runtime/triton_heuristics.py: `if os.getenv("TRITON_CACHE_DIR") is None: os.environ[...] =
+# triton_cache_dir(...)`), and from then on every Triton kernel of that process -- mamba-ssm's and vLLM's SSD
+# kernels too -- keeps its autotuning there. So graph-mode engines (compiled by Inductor) never saved their
+# autotuning into the directory packed below: the fourteenth session's 7b graph call returned an empty
+# triton-autotune.tgz, and the 2.7b call's held only its pytest step's tunings.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+TRITON_CACHE=$TRITON_CACHE_DIR
 mkdir -p "$TRITON_CACHE"
 if [ -f .gpu/triton-autotune.tgz ]; then
   tar xzf .gpu/triton-autotune.tgz -C "$TRITON_CACHE"
