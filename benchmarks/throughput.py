@@ -80,6 +80,15 @@ SMOKE_DECODE = dict(prompt=32, new=8, mid=4, batches=[1, 4])
 SMOKE_PREFILL = dict(prompt=128, new=1, batch=2, repeats=2)
 
 
+def engine_cells(batches, workloads, repeats) -> list:
+    """One engine's cells in order: a decode cell per batch, then the prefill cell in parts (its untimed run, each
+    timed run, the report). A sequential worker runs them itself; with --interleave the parent sends them one by
+    one to every engine in turn, so the prefill cell's timed runs alternate between the engines run by run."""
+    prefill = ["prefill-warm"] + ["prefill-run"] * repeats + ["prefill-report"]
+    return ([dict(workload="decode", batch=b) for b in batches] if "decode" in workloads else []) + \
+        ([dict(workload=part) for part in prefill] if "prefill" in workloads else [])
+
+
 def sync():
     import torch
 
@@ -273,9 +282,9 @@ def worker(args) -> None:
     prefill_timed = []  # (seconds, outputs, inputs, index into runs) of the prefill cell's timed runs
 
     def prefill_run(timed=True):
-        prefill_timed.append(run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"]) + (len(runs) - 1,))
-        if not timed:  # the warm-up run
-            prefill_timed.pop()
+        result = run(PREFILL["batch"], PREFILL["prompt"], PREFILL["new"])
+        if timed:  # else the untimed warm-up run
+            prefill_timed.append(result + (len(runs) - 1,))
 
     def prefill_report():
         import statistics
@@ -295,28 +304,22 @@ def worker(args) -> None:
                                                         median_ms=round(statistics.median(periods), 3)
                                                         if periods else None))), flush=True)
 
+    handlers = {"decode": lambda cell: decode_cell(cell["batch"]), "prefill-warm": lambda _: prefill_run(timed=False),
+                "prefill-run": lambda _: prefill_run(), "prefill-report": lambda _: prefill_report()}
     if job.get("interleave"):
-        # The parent sends one cell at a time (a JSON line: {"workload": ..., "batch": ...}, or null to stop) and
-        # waits for this worker's DONE before it sends the next cell to the other implementation's worker. The
-        # prefill cell comes in parts, so that its timed runs alternate between the engines run by run
-        # (a run is ~1 s, and the host's speed moves within seconds): "prefill-warm", then "prefill-run" per
-        # timed run, then "prefill-report".
+        # The parent sends one cell of engine_cells at a time (a JSON line, or null to stop) and waits for this
+        # worker's DONE before it sends that cell to the other implementation's worker (a prefill run is ~1 s,
+        # and the host's speed moves within seconds).
         print("READY", flush=True)
         for line in sys.stdin:
             cell = json.loads(line)
             if cell is None:
                 break
-            {"decode": lambda: decode_cell(cell["batch"]), "prefill-warm": lambda: prefill_run(timed=False),
-             "prefill-run": prefill_run, "prefill-report": prefill_report}[cell["workload"]]()
+            handlers[cell["workload"]](cell)
             print("DONE", flush=True)
     else:
-        for batch in DECODE["batches"] if "decode" in workloads else []:
-            decode_cell(batch)
-        if "prefill" in workloads:
-            prefill_run(timed=False)
-            for _ in range(PREFILL["repeats"]):
-                prefill_run()
-            prefill_report()
+        for cell in engine_cells(DECODE["batches"], workloads, PREFILL["repeats"]):
+            handlers[cell["workload"]](cell)
     # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
     with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
         json.dump(dict(runs=runs, steps=timeline.steps), f)
@@ -524,10 +527,8 @@ def main() -> None:
                 # then kept alive together.
                 elif w.read(lambda line: None, until="READY"):
                     workers.append(w)
-            repeats = args.prefill_repeats or (SMOKE_PREFILL if args.smoke else PREFILL)["repeats"]
-            cells = ([dict(workload="decode", batch=b) for b in batches] if "decode" in workloads else []) + \
-                ([dict(workload=part) for part in ["prefill-warm"] + ["prefill-run"] * repeats + ["prefill-report"]]
-                 if "prefill" in workloads else [])
+            cells = engine_cells(batches, workloads,
+                                 args.prefill_repeats or (SMOKE_PREFILL if args.smoke else PREFILL)["repeats"])
             for i, cell in enumerate(cells if workers else []):
                 # Alternate which implementation goes first, so neither is always the one after a long idle.
                 for w in list(workers if i % 2 == 0 else workers[::-1]):
