@@ -37,7 +37,9 @@ run (``runs_s`` lists all), its ``timeline.median_ms`` is the median engine step
 (shown in the step columns in parentheses), since one ~0.3 s run is within the host's noise. With --interleave
 the timed runs alternate between the engines run by run (A B, B A, ...): at 2.7b with CUDA graphs the 8 192-token
 prefill steps are host-bound (no graph that large), and the same engine's steps ranged 81-129 ms within one call.
-``--prefill-repeats`` sets the number of timed runs.
+``--prefill-repeats`` sets the number of timed runs. Interleaved, the table also gets the paired ratio: in-tree /
+plugin time of each pair of runs that ran next to each other, and their geometric mean (each pair shares the
+host's state of its moment; a ratio of medians mixes runs seconds apart).
 
 Each decode cell also reports ``timeline``: the engine's own step periods during the timed run (``StepTimeline``:
 engine-core timestamps of the steps' outputs, full-batch steps only; median, mean, p90, max, first and second
@@ -392,7 +394,22 @@ def markdown(rows, bw, cmd) -> str:
                 f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
                 f"{f(t, 'total_tok_s')} | {step(p)} | {step(t)} | {f(p, 'floor_share', '{:.0%}')} | "
                 f"{f(t, 'floor_share', '{:.0%}')} |")
-    return "\n".join(lines) + "\n"
+    notes = [f"- {r['model']} {r['mode']} prefill, timed runs paired as they ran (each plugin run next to an in-tree "
+             f"run): in-tree / plugin run time, geometric mean **{r['paired_ratio']:.2f}** over {r['pairs']} pairs "
+             f"(per pair: {' / '.join(f'{x:.2f}' for x in r['pair_ratios'])})"
+             for r in rows if r.get("paired_ratio") is not None]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def paired_prefill_ratio(plugin_runs, intree_runs):
+    """In-tree / plugin time of each pair of timed prefill runs that ran next to each other (--interleave: run k
+    of one engine, then run k of the other), and their geometric mean. A ratio of medians mixes runs that are
+    seconds apart, and the host's speed moves within seconds (RESULTS.md, fifteenth session: one engine's runs
+    0.80-1.35 s); each pair shares the host's state of its moment."""
+    import math
+
+    ratios = [t / p for p, t in zip(plugin_runs, intree_runs)]
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None, ratios
 
 
 class Worker:
@@ -538,6 +555,15 @@ def main() -> None:
             for w in workers:
                 w.send(None)
                 w.finish()
+            if workers and "prefill" in workloads:
+                mine = {r["impl"]: r for r in rows
+                        if r["model"] == model and r["mode"] == mode and r["workload"] == "prefill"}
+                for impl in ("plugin", "plugin-full", "plugin-piecewise"):
+                    if impl in mine and "intree" in mine:
+                        g, ratios = paired_prefill_ratio(mine[impl]["runs_s"], mine["intree"]["runs_s"])
+                        mine[impl].update(paired_ratio=g, pairs=len(ratios), pair_ratios=[round(x, 3) for x in ratios])
+                        print(f"{model}/{impl}/{mode} prefill, paired runs: in-tree / plugin geometric mean {g:.3f} "
+                              f"({len(ratios)} pairs)", flush=True)
     table = markdown(rows, bw, cmd)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
