@@ -54,6 +54,12 @@
 # 438 s cold (start-ups 172 + 129 s); the 2.7b prefill cell with --prefill-repeats 6 and a carried autotuning file
 # did not finish in 268 s (start-ups 144 + 116 s, then in-tree's compiles during its first runs): allow ~330 s.
 # One start was refused (90 s of budget).
+# Fifteenth session (carried triton-autotune.tgz, which now also holds graph-mode engines' tunings: 11 -> 19 -> 22
+# kernels): setup 55-58 s; throughput.py --models 2.7b --modes graph --workloads prefill --interleave
+# --prefill-repeats 6 (both) 288 s (start-ups 87 + 124 s), with --prefill-repeats 20 250 s (84 + 61 s); the 2.7b
+# nothing_to_compile case 27 s after it; --models 130m --modes eager --interleave --prefill-repeats 6 245 s (72 + 45
+# s); --models 7b --modes eager --interleave did not finish in 277 s (start-ups 42 + 18 s; give it ~330 s). Two
+# starts were refused (91 and 90 s of budget).
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
