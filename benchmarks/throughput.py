@@ -76,6 +76,7 @@ MODELS = {
 DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
 PROFILE_NEW = 64  # new tokens in the profiled decode run: ~17 mixed steps, ~48 steady full-batch steps, the tail
 PREFILL = dict(prompt=4096, new=1, batch=16, repeats=3)  # timed runs of the prefill cell: the median is reported
+PLUGIN_IMPLS = ("plugin", "plugin-full", "plugin-piecewise")  # the plugin's variants, each compared with "intree"
 
 
 SMOKE_DECODE = dict(prompt=32, new=8, mid=4, batches=[1, 4])
@@ -384,7 +385,7 @@ def markdown(rows, bw, cmd) -> str:
 
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
         t = by.get(key + ("intree",))
-        variants = [v for v in ("plugin", "plugin-full", "plugin-piecewise") if key + (v,) in by] or [None]
+        variants = [v for v in PLUGIN_IMPLS if key + (v,) in by] or [None]
         for v in variants:
             p = by.get(key + (v,)) if v else None
             ratio = f"{p['out_tok_s'] / t['out_tok_s']:.2f}" if p and t else "—"
@@ -496,7 +497,7 @@ def main() -> None:
                (SMOKE_DECODE if args.smoke else DECODE)["batches"])
     profile_batch = [int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None
     for impl in impls:
-        if impl not in ("plugin", "plugin-full", "plugin-piecewise", "intree"):
+        if impl not in PLUGIN_IMPLS + ("intree",):
             raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
 
     def record(model, line):
@@ -558,7 +559,7 @@ def main() -> None:
             if workers and "prefill" in workloads:
                 mine = {r["impl"]: r for r in rows
                         if r["model"] == model and r["mode"] == mode and r["workload"] == "prefill"}
-                for impl in ("plugin", "plugin-full", "plugin-piecewise"):
+                for impl in PLUGIN_IMPLS:
                     if impl in mine and "intree" in mine:
                         g, ratios = paired_prefill_ratio(mine[impl]["runs_s"], mine["intree"]["runs_s"])
                         mine[impl].update(paired_ratio=g, pairs=len(ratios), pair_ratios=[round(x, 3) for x in ratios])
