@@ -14,6 +14,8 @@ seconds apart instead of minutes apart. On the H200 the host's speed drifts by u
 Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
 Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
+``plugin-jit-launch`` (VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0: every Triton launch through JITFunction.run, the
+plugin's launch path before 2026-12-03's sixteenth session),
 ``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is the old name of the default (results before
 2026-12-02's third session, when FULL decode graphs were opt-in).
 
@@ -76,7 +78,8 @@ MODELS = {
 DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
 PROFILE_NEW = 64  # new tokens in the profiled decode run: ~17 mixed steps, ~48 steady full-batch steps, the tail
 PREFILL = dict(prompt=4096, new=1, batch=16, repeats=3)  # timed runs of the prefill cell: the median is reported
-PLUGIN_IMPLS = ("plugin", "plugin-full", "plugin-piecewise")  # the plugin's variants, each compared with "intree"
+# The plugin's variants, each compared with "intree".
+PLUGIN_IMPLS = ("plugin", "plugin-full", "plugin-piecewise", "plugin-jit-launch")
 
 
 SMOKE_DECODE = dict(prompt=32, new=8, mid=4, batches=[1, 4])
@@ -459,7 +462,7 @@ class Worker:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="130m")
-    ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-piecewise, intree")
+    ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-piecewise, plugin-jit-launch, intree")
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -498,7 +501,8 @@ def main() -> None:
     profile_batch = [int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None
     for impl in impls:
         if impl not in PLUGIN_IMPLS + ("intree",):
-            raise SystemExit(f"unknown implementation {impl!r}: use plugin, plugin-piecewise or intree")
+            raise SystemExit(f"unknown implementation {impl!r}: "
+                             "use plugin, plugin-piecewise, plugin-jit-launch or intree")
 
     def record(model, line):
         r = json.loads(line[len("RESULT "):])
@@ -529,6 +533,8 @@ def main() -> None:
                     env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "1"
                 elif impl == "plugin-piecewise":
                     env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "0"
+                elif impl == "plugin-jit-launch":
+                    env["VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH"] = "0"
                 job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
                            out=os.path.abspath(args.out),
                            max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,

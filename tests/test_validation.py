@@ -40,6 +40,7 @@ def test_unsupported_engine_option_is_refused_at_config_time(name, tiny_dir):
 
 @pytest.mark.parametrize("var, value, pattern", [
     ("VLLM_MAMBA2_PLUGIN_FAST_LAUNCH", "maybe", "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH='maybe' is not a boolean"),
+    ("VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH", "fast", "VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH='fast' is not a boolean"),
     ("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", "all", "VLLM_MAMBA2_PLUGIN_SSD_CONFIGS='all' is not supported"),
     ("VLLM_MAMBA2_PLUGIN_KERNELS", "triton", "VLLM_MAMBA2_PLUGIN_KERNELS='triton' is not supported"),
     ("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "2", "FULL_DECODE_GRAPHS='2' is not a boolean"),

@@ -17,6 +17,7 @@ import torch
 from vllm_mamba2_plugin.kernels import triton_launch as tl
 
 triton = pytest.importorskip("triton")
+import triton.language as tlang  # noqa: E402
 from triton.runtime.autotuner import Autotuner, Heuristics  # noqa: E402
 
 
@@ -131,6 +132,142 @@ def test_fast_heuristics_launch_what_the_stack_launches(with_y):
     assert fast.fast == 3
 
 
+@triton.jit
+def _toy_kernel(x_ptr, y_ptr, n, stride, scale, HAS_Y: tlang.constexpr, BLOCK: tlang.constexpr, extra=3):
+    pass
+
+
+class FakeCompiled:
+    """What JITFunction.run returns: a compiled kernel whose launcher records its arguments."""
+
+    def __init__(self, launches):
+        self.function, self.packed_metadata = "function", "packed"
+        self.run = lambda *a: launches.append(a)
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """A DirectLaunch of a real (local Triton) JITFunction whose own ``run`` is a recorder, on a fake driver."""
+    fn = _toy_kernel
+    jit_calls, launches = [], []
+
+    def jit_run(*args, grid, warmup, **kwargs):  # stands in for JITFunction.run: compiles (here: records)
+        jit_calls.append((args, kwargs))
+        return FakeCompiled(launches)
+
+    monkeypatch.setattr(fn, "run", jit_run, raising=False)
+    d = tl.DirectLaunch(fn)
+    d._driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
+                                                                   get_current_stream=lambda dev: 777))
+    return d, jit_calls, launches
+
+
+def _bound_values(fn, args, kwargs):
+    """The oracle for the launcher's arguments: Python's own binding of the kernel's signature, defaults applied
+    (what JITFunction.run's binder returns as bound_args, minus compile options such as num_warps)."""
+    import inspect
+
+    params = {k: v for k, v in kwargs.items() if k in inspect.signature(fn.fn).parameters}
+    b = inspect.signature(fn.fn).bind(*args, **params)
+    b.apply_defaults()
+    return tuple(b.arguments.values())
+
+
+def test_direct_launch_passes_the_bound_arguments_after_one_jit_launch(direct):
+    d, jit_calls, launches = direct
+    x, y = torch.zeros(64), torch.zeros(64)
+    kw = dict(HAS_Y=True, BLOCK=64, num_warps=4)
+    assert isinstance(d.run((3,), (x, y, 100, 16, 0.5), dict(kw)), FakeCompiled)
+    assert (len(jit_calls), len(launches), d.jit, d.direct) == (1, 0, 1, 0)
+    x2, y2 = torch.ones(64), torch.ones(64)  # other tensors, same dtype and alignment; another float
+    seen = {}
+    grid = lambda meta: seen.update(meta) or (5, 2)  # noqa: E731
+    d.run(grid, (x2, y2, 100, 16, 0.25), dict(kw))
+    assert (len(jit_calls), d.direct) == (1, 1)
+    (launch,) = launches
+    assert launch[:9] == (5, 2, 1, 777, "function", "packed", None, None, None)
+    want = _bound_values(d.fn, (x2, y2, 100, 16, 0.25), kw)
+    assert len(launch[9:]) == len(want) == 8 and all(a is b for a, b in zip(launch[9:], want))
+    assert list(seen) == [p.name for p in d.fn.params] and seen["extra"] == 3 and seen["BLOCK"] == 64
+    d.run((1,), (x2,), dict(y_ptr=y2, n=7, stride=3, scale=1.0, extra=5, **kw))  # keywords: another call form
+    d.run((1,), (x2,), dict(y_ptr=y2, n=7, stride=3, scale=1.0, extra=5, **kw))
+    assert (len(jit_calls), d.direct) == (2, 2)
+    assert launches[-1][9:] == _bound_values(d.fn, (x2,), dict(y_ptr=y2, n=7, stride=3, scale=1.0, extra=5, **kw))
+
+
+@pytest.mark.parametrize("change", ["n==1", "n%16", "n>int32", "n", "unaligned", "dtype", "none", "constexpr",
+                                    "num_warps", "device"])
+def test_direct_launch_goes_through_jit_for_a_new_specialisation(direct, change):
+    """Whatever Triton specialises on (and integers by value, which is finer) makes a new key: the first launch
+    of each goes through JITFunction.run, and the key's later launches are direct."""
+    d, jit_calls, launches = direct
+    x, y = torch.zeros(64), torch.zeros(64)
+    base = dict(args=[x, y, 100, 16, 0.5], kw=dict(HAS_Y=True, BLOCK=64, num_warps=4))
+    d.run((1,), tuple(base["args"]), dict(base["kw"]))
+    d.run((1,), tuple(base["args"]), dict(base["kw"]))
+    assert (len(jit_calls), d.direct) == (1, 1)
+    a, kw = list(base["args"]), dict(base["kw"])
+    if change == "n==1":
+        a[2] = 1
+    elif change == "n%16":
+        a[2] = 96
+    elif change == "n>int32":
+        a[3] = 2 ** 31 + 4
+    elif change == "n":
+        a[2] = 101
+    elif change == "unaligned":
+        a[0] = torch.zeros(65)[1:]  # 4 bytes off a 16-byte boundary
+    elif change == "dtype":
+        a[1] = torch.zeros(64, dtype=torch.bfloat16)
+    elif change == "none":
+        a[1] = None
+    elif change == "constexpr":
+        kw["BLOCK"] = 128
+    elif change == "num_warps":
+        kw["num_warps"] = 8
+    else:
+        d._driver.active.get_current_device = lambda: 1
+    d.run((1,), tuple(a), dict(kw))
+    assert (len(jit_calls), d.direct) == (2, 1), change
+    d.run((1,), tuple(a), dict(kw))  # and then that specialisation launches directly too
+    assert (len(jit_calls), d.direct) == (2, 2), change
+
+
+def test_direct_launch_cache_starts_over_when_full(direct, monkeypatch):
+    d, jit_calls, launches = direct
+    monkeypatch.setattr(tl, "DIRECT_CACHE_MAX", 3)
+    x = torch.zeros(64)
+    for n in (10, 11, 12, 10, 11, 12, 13, 10):
+        d.run((1,), (x, x, n, 16, 0.5), dict(HAS_Y=True, BLOCK=64))
+    assert (d.jit, d.direct) == (5, 3)  # 13 filled it past 3 keys: emptied, then 10 compiled (looked up) again
+    assert len(d._kernels) == 2
+
+
+def test_direct_launch_leaves_hooked_launches_and_other_argument_types_to_jit(direct):
+    from triton import knobs
+
+    d, jit_calls, launches = direct
+    x = torch.zeros(64)
+    call = lambda *extra: d.run((1,), (x, x, 100, 16, 0.5, *extra), dict(HAS_Y=True, BLOCK=64))  # noqa: E731
+    call(), call()
+    assert (len(jit_calls), d.direct) == (1, 1)
+    hook = lambda *a: None  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            call()
+        finally:
+            chain.remove(hook)
+        assert (len(jit_calls), d.direct) == (2, 1)  # a profiler's hook sees every launch
+    call()
+    assert d.direct == 2
+    n = len(jit_calls)
+    d.run((1,), (x, x, (1, 2), 16, 0.5), dict(HAS_Y=True, BLOCK=64))  # a tuple argument: Triton's to specialise
+    d.run((1,), (x, x, (1, 2), 16, 0.5), dict(HAS_Y=True, BLOCK=64))
+    assert len(jit_calls) == n + 2 and d.direct == 2
+
+
 @pytest.fixture
 def fake_mamba(monkeypatch):
     """mamba-ssm's four SSD modules as stand-ins holding real Autotuners (mamba-ssm itself needs CUDA)."""
@@ -221,8 +358,9 @@ def test_deterministic_mode_is_mamba_ssms_own(monkeypatch):
 def test_kernels_are_bitwise_the_same_through_both_launch_paths():
     """On the GPU, at the 2.7b layer shape: mamba-ssm's SSD forward (a packed varlen batch with an initial state),
     the state update (the plugin's tuned launch and mamba-ssm's wrapper) and the gated norm, through
-    FastLaunch / FastHeuristics and through Triton's Autotuner / Heuristics. The same launches, so every output
-    is bit-identical; after the first call every SSD launch is a fast one."""
+    FastLaunch / FastHeuristics (whose launches after the first go straight to the compiled kernels: DirectLaunch)
+    and through Triton's Autotuner / Heuristics and JITFunction.run. The same launches, so every output is
+    bit-identical; after the first call every SSD launch is a fast one, and every launch a direct one."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("mamba_ssm")
@@ -258,12 +396,18 @@ def test_kernels_are_bitwise_the_same_through_both_launch_paths():
         yn = ck.gated_rms_norm(xd.reshape(7, H * P), z, w, 1e-5, group_size=H * P // 8)
         return [t for t in ssd if t is not None] + [states, y_tuned, y_wrapper, yn]
 
-    run()  # tunes any SSD key not tuned yet (through the autotuners)
+    # Every call site also launches through a DirectLaunch (the default), which this GPU's Triton supports.
+    assert all(isinstance(v.direct, tl.DirectLaunch) for v in placed.values()), {n: v.direct for n, v in placed.items()}
+    run()  # tunes any SSD key not tuned yet (through the autotuners), and compiles through JITFunction.run
     counts = {n: v.fast for n, v in placed.items()}
     slow_counts = {n: v.slow for n, v in placed.items() if isinstance(v, tl.FastLaunch)}
+    direct_counts = {n: (v.direct.direct, v.direct.jit) for n, v in placed.items()}
     fast = run()
     assert all(placed[n].slow == c for n, c in slow_counts.items()), slow_counts
     assert all(v.fast > counts[n] for n, v in placed.items()), {n: (v.fast, counts[n]) for n, v in placed.items()}
+    # The second run's launches are all direct ones: same specialisations as the first run's.
+    now = {n: (v.direct.direct, v.direct.jit) for n, v in placed.items()}
+    assert all(now[n][0] > c[0] and now[n][1] == c[1] for n, c in direct_counts.items()), (direct_counts, now)
     with tl.triton_own_launch(k):
         assert k.ssu_kernel is placed["_selective_scan_update_kernel"].kernel
         slow = run()

@@ -110,7 +110,8 @@ def _kernels() -> SimpleNamespace:
         # Before the first launch, so the autotuners' first tuning already sees the extended config lists.
         fast, extended = envs.fast_launch(), envs.ssd_configs() == "extended"
         try:
-            placed = triton_launch.install(fast_launch=fast, extra_configs=extended)
+            placed = triton_launch.install(fast_launch=fast, extra_configs=extended,
+                                           direct_launch=envs.direct_launch())
         except Exception as e:  # a Triton or mamba-ssm whose internals differ: their own launch path still works
             placed = {}
             if fast or extended:

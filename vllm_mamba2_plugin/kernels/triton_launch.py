@@ -1,7 +1,7 @@
 """mamba-ssm's Triton kernels: a cheaper launch, and vLLM's wider SSD tuning space (CUDA path only).
 
 ``install()`` runs once, from ``cuda._kernels()`` (lazily, at the first CUDA kernel call; never at import). It
-leaves the kernels' code untouched and changes two things around them:
+leaves the kernels' code untouched and changes three things around them:
 
 * **Launch without the autotuner's per-call bookkeeping** (``FastLaunch``). Every launch of an autotuned kernel
   goes through Triton's ``Autotuner.run``, which on every call rebuilds the argument dicts (with a list
@@ -23,8 +23,25 @@ leaves the kernels' code untouched and changes two things around them:
   session). ``install`` appends them to mamba-ssm's lists, so its autotuner also benchmarks them and keeps the
   fastest by its own measurement. This is skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 without
   TRITON_CACHE_AUTOTUNING=1), which pins one config per kernel on purpose.
+* **Launch compiled kernels directly** (``DirectLaunch``, under FastLaunch / FastHeuristics). Even with the
+  autotuner's bookkeeping gone, ``JITFunction.run`` binds and specialises every argument (~40 per SSD kernel),
+  builds its cache key (``str(options)`` of the compile options on every call) and then calls the compiled
+  kernel's launcher. On the H200, in a 2.7b prefill step (two 4 096-token prompts), that Python work ran ahead of
+  each of a layer's six Triton launches for 70-130 µs under the profiler, and the plugin's steps were host-bound:
+  131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md, sixteenth session).
+  ``DirectLaunch`` keys each call on at least what Triton specialises on -- every argument's type, each
+  tensor's dtype and address modulo 16, the exact value of every integer, bool, constexpr and compile option
+  (Triton reads only an integer's class: == 1, multiple of 16, 32/64-bit), the current device -- and after a
+  first launch of a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it launches that
+  compiled kernel itself, with the arguments in the order ``JITFunction.run`` passes them (triton 3.6
+  runtime/jit.py: ``kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+  launch_metadata, enter_hook, exit_hook, *bound_args.values())``). Keying integers by value costs one
+  ``JITFunction.run`` per new step shape (sequence lengths enter as sizes and strides) and kernel, in the step's
+  first layer; the other layers launch directly. Anything it does not mirror goes through ``JITFunction.run``: launch hooks set (profilers such as
+  proton), pre-run hooks, an argument of another type (tuples, descriptors), the first call of a key.
 
-Switches (envs.py): VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 keeps Triton's launch path, and
+Switches (envs.py): VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 keeps Triton's launch path,
+VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0 keeps ``JITFunction.run`` under FastLaunch / FastHeuristics, and
 VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream keeps mamba-ssm's config lists.
 """
 
@@ -33,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import operator
+from collections.abc import Mapping
 from typing import Dict, List, Tuple
 
 logger = logging.getLogger(__name__)
@@ -68,6 +87,168 @@ EXTRA_CONFIGS: Dict[str, List[Tuple[int, int, int, int, int]]] = {
 
 _DTYPE_STR: Dict[object, str] = {}
 
+_UNSET = object()
+_EMPTY = object()  # inspect.Parameter.empty, set by the first DirectLaunch (Triton and torch are imported lazily)
+_TENSOR: type = object  # torch.Tensor, likewise
+_NONE_TYPE = type(None)
+# Kernels a DirectLaunch keeps per JIT function before it starts over: its key holds integer arguments exactly
+# (sequence lengths, strides), so serving many step shapes makes many keys; each miss costs one JITFunction.run.
+DIRECT_CACHE_MAX = 4096
+
+
+def _no_hook(hook) -> bool:
+    """No launch hook set: None (older Triton) or an empty ``knobs.HookChain`` (newer; JITFunction.run then passes
+    the empty chain, which the launcher calls to no effect, and passing None instead skips it)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+class _Meta(Mapping):
+    """The grid function's view of a launch's arguments by name (what JITFunction.run hands it as ``bound_args``),
+    read on demand: grid functions read two or three of some forty entries."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, index: dict, values: tuple):
+        self._index, self._values = index, values
+
+    def __getitem__(self, name):
+        return self._values[self._index[name]]
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self):
+        return len(self._index)
+
+
+def _getter(idx: list):
+    """seq -> tuple(seq[i] for i in idx), at C speed (itemgetter) for two or more indices."""
+    if len(idx) > 1:
+        return operator.itemgetter(*idx)
+    return lambda seq, _i=tuple(idx): tuple(seq[i] for i in _i)
+
+
+class _CallShape:
+    """One form of call of a JIT function: which argument (positional or keyword) feeds each parameter, and which
+    parts of the call its key reads. Built once per (argument count, keyword names, argument types)."""
+
+    __slots__ = ("take", "names", "index", "tensors", "exact", "defaults", "ok")
+
+    def __init__(self, params, nargs: int, kw_names: tuple, types: tuple):
+        names = [p.name for p in params]
+        pos = {n: i for i, n in enumerate(names)}
+        self.ok = nargs <= len(names)  # more arguments than parameters: JITFunction.run raises; let it
+        if not self.ok:
+            return
+        # merged = args + kwargs values (call order) + defaults: each parameter's value is merged[take[i]]
+        kw_index = {n: nargs + j for j, n in enumerate(kw_names)}
+        defaults, take = [], []
+        for i, p in enumerate(params):
+            if i < nargs:
+                take.append(i)
+            elif p.name in kw_index:
+                take.append(kw_index[p.name])
+            elif p.default is _EMPTY:
+                self.ok = False  # a missing argument: JITFunction.run raises; let it
+            else:
+                take.append(nargs + len(kw_names) + len(defaults))
+                defaults.append(p.default)
+        self.names, self.index, self.defaults = names, pos, tuple(defaults)
+        self.take = _getter(take)
+        # What the key reads: tensors by (dtype, address mod 16); integers, bools, constexprs and compile options
+        # (num_warps, ...) by value, which is finer than what Triton specialises on (integers: == 1, multiple of 16,
+        # 32/64-bit); None and floats by their type alone (in the key already), as Triton does.
+        tensors, exact = [], []
+        for j, t in enumerate(types):
+            name = names[j] if j < nargs else kw_names[j - nargs]
+            param = params[pos[name]] if name in pos else None  # None: a compile option (num_warps, ...)
+            if param is None or param.is_constexpr or t is int or t is bool:
+                exact.append(j)
+            elif t is _TENSOR:
+                tensors.append(j)
+            elif t is not _NONE_TYPE and t is not float:
+                self.ok = False  # tuples, tensor descriptors, dtypes, ...: JITFunction.run's to specialise
+        self.tensors = tuple(tensors)
+        self.exact = _getter(exact)
+
+
+class DirectLaunch:
+    """Launches one Triton ``JITFunction``'s compiled kernels without ``JITFunction.run``'s per-call work (module
+    doc). ``run(grid, args, kwargs)`` takes what ``fn.run(*args, grid=grid, warmup=False, **kwargs)`` takes and
+    launches the same kernel with the same arguments. ``direct`` / ``jit`` count the two kinds of launches."""
+
+    def __init__(self, fn):
+        global _EMPTY, _TENSOR
+        import inspect
+
+        import torch
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        _EMPTY, _TENSOR = inspect.Parameter.empty, torch.Tensor
+        # What it reads of Triton's internals; a Triton without them gets no DirectLaunch (install() logs it).
+        for obj, attr in ((fn, "params"), (fn, "pre_run_hooks"), (fn, "used_global_vals"), (fn, "run"),
+                          (knobs.runtime, "launch_enter_hook"), (knobs.runtime, "launch_exit_hook")):
+            if not hasattr(obj, attr):
+                raise AttributeError(f"{type(obj).__name__} has no {attr!r}")
+        self.fn = fn
+        self.params = list(fn.params)
+        self._knobs = knobs.runtime
+        self._driver = driver
+        self._shapes: Dict[tuple, _CallShape] = {}
+        self._kernels: Dict[tuple, tuple] = {}
+        self.direct = 0
+        self.jit = 0
+
+    def _jit(self, grid, args, kwargs):
+        self.jit += 1
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        fn, rt = self.fn, self._knobs
+        if fn.pre_run_hooks or not (_no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)):
+            return self._jit(grid, args, kwargs)
+        merged = args + tuple(kwargs.values())
+        types = tuple(map(type, merged))
+        skey = (len(args), tuple(kwargs), types)
+        shape = self._shapes.get(skey)
+        if shape is None:
+            norm = tuple(_TENSOR if issubclass(t, _TENSOR) else t for t in types)
+            shape = self._shapes[skey] = _CallShape(self.params, len(args), tuple(kwargs), norm)
+        if not shape.ok:
+            return self._jit(grid, args, kwargs)
+        drv = self._driver.active
+        device = drv.get_current_device()
+        key = (skey, device, tuple([(merged[j].dtype, merged[j].data_ptr() & 15) for j in shape.tensors]),
+               shape.exact(merged))
+        try:
+            hit = self._kernels.get(key)
+        except TypeError:  # an unhashable constexpr: JITFunction.run's to handle
+            return self._jit(grid, args, kwargs)
+        if hit is None:
+            kernel = self._jit(grid, args, kwargs)
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+                if len(self._kernels) >= DIRECT_CACHE_MAX:
+                    self._kernels.clear()
+                # CompiledKernel.run is its launcher (initialised at its first launch, just now).
+                self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+            return kernel
+        c_run, function, packed, kernel = hit
+        if fn.used_global_vals:  # as JITFunction.run: a global a kernel read must not have changed since
+            for (name, _), (val, globals_dict) in fn.used_global_vals.items():
+                if globals_dict.get(name, _UNSET) != val:
+                    return self._jit(grid, args, kwargs)
+        values = shape.take(merged + shape.defaults if shape.defaults else merged)
+        if callable(grid):
+            grid = grid(_Meta(shape.index, values))
+        n = len(grid)
+        c_run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, drv.get_current_stream(device), function,
+              packed, None, None, None, *values)
+        self.direct += 1
+        return kernel
+
 
 class FastLaunch:
     """Stands in for one ``triton.runtime.autotuner.Autotuner`` at its call sites: ``kernel[grid](*args, **kw)``.
@@ -86,6 +267,7 @@ class FastLaunch:
         self._cfg_kwargs: Dict[int, tuple] = {}  # id(config) -> (config, config.all_kwargs())
         self.fast = 0
         self.slow = 0
+        self.direct = None  # a DirectLaunch of the tuner's JIT function (install(direct_launch=True))
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -127,6 +309,8 @@ class FastLaunch:
             entry = self._cfg_kwargs[id(cfg)] = (cfg, cfg.all_kwargs())
         self.fast += 1
         t.best_config = cfg
+        if self.direct is not None:
+            return self.direct.run(grid, args, {**kwargs, **entry[1]})
         return t.fn.run(*args, grid=grid, warmup=False, **kwargs, **entry[1])
 
     def __getattr__(self, name):  # anything else (configs, cache, keys, fn, ...) is the autotuner's
@@ -154,6 +338,7 @@ class FastHeuristics:
         self.fn = fn
         self.arg_names = list(self.layers[0].arg_names) if self.layers else []
         self.fast = 0
+        self.direct = None  # a DirectLaunch of the JIT function (install(direct_launch=True))
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -165,6 +350,8 @@ class FastHeuristics:
             for name, heur in layer.values.items():
                 kwargs[name] = named[name] = heur(named)
         self.fast += 1
+        if self.direct is not None:
+            return self.direct.run(grid, args, kwargs)
         return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
 
     def __getattr__(self, name):
@@ -225,10 +412,26 @@ def _extend(tuner, name: str) -> int:
     return added
 
 
-def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, object]:
+def _direct_for(jit_fn):
+    """A DirectLaunch of ``jit_fn``, or None where it is not a plain JITFunction or this Triton lacks what
+    DirectLaunch reads (logged once per kernel)."""
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(jit_fn, JITFunction):
+        return None
+    try:
+        return DirectLaunch(jit_fn)
+    except Exception as e:  # another Triton's internals: JITFunction.run it is
+        logger.warning("vllm_mamba2_plugin: no direct launch for %s (%r); launching through JITFunction.run",
+                       getattr(jit_fn, "__name__", jit_fn), e)
+        return None
+
+
+def install(fast_launch: bool = True, extra_configs: bool = True, direct_launch: bool = True) -> Dict[str, object]:
     """Wrap mamba-ssm's SSD forward autotuners in ``FastLaunch`` and/or extend their config lists, and its state
-    update and gated-norm kernels in ``FastHeuristics``. Idempotent. Returns name -> the object now at each call
-    site (a FastLaunch / FastHeuristics, or Triton's own object)."""
+    update and gated-norm kernels in ``FastHeuristics``; with ``direct_launch`` (and ``fast_launch``) these launch
+    compiled kernels through a ``DirectLaunch``. Idempotent. Returns name -> the object now at each call site (a
+    FastLaunch / FastHeuristics, or Triton's own object)."""
     from triton.runtime.autotuner import Autotuner, Heuristics
 
     extend = extra_configs and not _deterministic_pins_configs()
@@ -252,5 +455,11 @@ def install(fast_launch: bool = True, extra_configs: bool = True) -> Dict[str, o
                 if fast_launch and not isinstance(obj, wrapper):
                     obj = wrapper(target)
                     setattr(mod, name, obj)
+                if isinstance(obj, wrapper):
+                    jit_fn = obj.tuner.fn if wrapper is FastLaunch else obj.fn
+                    if not direct_launch:
+                        obj.direct = None
+                    elif obj.direct is None or obj.direct.fn is not jit_fn:
+                        obj.direct = _direct_for(jit_fn)
                 out[name] = obj
     return out
