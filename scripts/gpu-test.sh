@@ -60,6 +60,12 @@
 # nothing_to_compile case 27 s after it; --models 130m --modes eager --interleave --prefill-repeats 6 245 s (72 + 45
 # s); --models 7b --modes eager --interleave did not finish in 277 s (start-ups 42 + 18 s; give it ~330 s). Two
 # starts were refused (91 and 90 s of budget).
+# Seventeenth session (fresh checkout: no carried causal-conv1d build or tunings in call 1): setup 117 s with the
+# build, 54 s with it carried; prefill_layer.py --model 2.7b --impls plugin,plugin-triton-launch,intree (3 layouts,
+# --host-profile) plus a second plugin-only run 206 s cold; MAMBA_DETERMINISTIC=1 tests/kernels (279) 214 s;
+# throughput.py --models 2.7b --modes graph --workloads prefill --interleave --prefill-repeats 12 (both) 300 s
+# (start-ups 114 + 105 s, 14 carried tunings). A call cost its wall time + ~90 s of budget. Budget a T_END guard
+# from the measured step times: a guard computed for a slower first step left tests/gpu -k full_decode 22 s.
 # All of it does not fit one 10-minute call: split it, e.g. (1) tests/kernels + tests/gpu -k "not in_tree",
 # (2) -k in_tree + a benchmark.
 #
