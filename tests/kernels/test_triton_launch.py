@@ -268,6 +268,20 @@ def test_direct_launch_leaves_hooked_launches_and_other_argument_types_to_jit(di
     assert len(jit_calls) == n + 2 and d.direct == 2
 
 
+def test_direct_launch_only_where_jit_run_launches_as_mirrored(monkeypatch, caplog):
+    """The installed Triton's JITFunction.run makes the launcher call DirectLaunch mirrors; a Triton whose run reads
+    differently (here: the expected call changed) gets no DirectLaunch, with a warning, and launches through
+    JITFunction.run."""
+    from triton.runtime.jit import JITFunction
+
+    assert tl._launches_as_mirrored(JITFunction)
+    monkeypatch.setattr(tl, "_PROTOCOL", {})
+    monkeypatch.setattr(tl, "_LAUNCH_CALL", tl._LAUNCH_CALL.replace("launch_metadata,", "launch_metadata,scratch,"))
+    with caplog.at_level("WARNING", logger=tl.logger.name):
+        assert tl._direct_for(_toy_kernel) is None
+    assert "no direct launch for _toy_kernel" in caplog.text
+
+
 @pytest.fixture
 def fake_mamba(monkeypatch):
     """mamba-ssm's four SSD modules as stand-ins holding real Autotuners (mamba-ssm itself needs CUDA)."""

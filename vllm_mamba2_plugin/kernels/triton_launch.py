@@ -95,6 +95,26 @@ _NONE_TYPE = type(None)
 # Kernels a DirectLaunch keeps per JIT function before it starts over: its key holds integer arguments exactly
 # (sequence lengths, strides), so serving many step shapes makes many keys; each miss costs one JITFunction.run.
 DIRECT_CACHE_MAX = 4096
+# The launcher call DirectLaunch makes in JITFunction.run's place, as JITFunction.run makes it (whitespace removed;
+# triton 3.6 and 3.9 runtime/jit.py). A Triton whose JITFunction.run reads differently gets no DirectLaunch: the
+# compiled launcher takes its arguments by position, so a changed protocol would not fail loudly.
+_LAUNCH_CALL = ("kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,kernel.packed_metadata,launch_metadata,"
+                "knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,*bound_args.values())")
+_PROTOCOL: Dict[type, bool] = {}
+
+
+def _launches_as_mirrored(jit_cls: type) -> bool:
+    """Whether ``jit_cls.run`` (a JITFunction class) calls the compiled launcher as DirectLaunch does."""
+    ok = _PROTOCOL.get(jit_cls)
+    if ok is None:
+        import inspect
+
+        try:
+            src = inspect.getsource(jit_cls.run)
+        except (OSError, TypeError):  # no source shipped: nothing to check against
+            src = ""
+        ok = _PROTOCOL[jit_cls] = _LAUNCH_CALL in "".join(src.split())
+    return ok
 
 
 def _no_hook(hook) -> bool:
@@ -192,6 +212,8 @@ class DirectLaunch:
                           (knobs.runtime, "launch_enter_hook"), (knobs.runtime, "launch_exit_hook")):
             if not hasattr(obj, attr):
                 raise AttributeError(f"{type(obj).__name__} has no {attr!r}")
+        if not _launches_as_mirrored(type(fn)):
+            raise RuntimeError(f"{type(fn).__name__}.run does not launch with the call DirectLaunch mirrors")
         self.fn = fn
         self.params = list(fn.params)
         self._knobs = knobs.runtime
