@@ -82,8 +82,8 @@
 # every step the script packs them into $OUT/triton-autotune.tgz (kilobytes). Copy that file into .gpu/ and the
 # next call starts with them: later processes of the same call, and later calls, compile only the chosen
 # configs instead of benchmarking all of them. scripts/gpu/triton-autotune.tgz is the committed copy (seventeenth
-# session, 22 kernels): refresh it when a call returns more. (Same configs as a fresh autotune would choose; start-up times
-# of runs that used a carried file are not comparable with cold ones.)
+# session, 22 kernels): refresh it when a call returns more. (Same configs as a fresh autotune would choose;
+# start-up times of runs that used a carried file are not comparable with cold ones.)
 set -euo pipefail
 LOG=${OUT:-/tmp/gpu-out}
 mkdir -p "$LOG"

@@ -33,11 +33,10 @@ leaves the kernels' code untouched and changes three things around them:
   tensor's dtype and address modulo 16, the exact value of every integer, bool, constexpr and compile option
   (Triton reads only an integer's class: == 1, multiple of 16, 32/64-bit), the current device -- and after a
   first launch of a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it launches that
-  compiled kernel itself, with the arguments in the order ``JITFunction.run`` passes them (triton 3.6
-  runtime/jit.py: ``kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
-  launch_metadata, enter_hook, exit_hook, *bound_args.values())``). Keying integers by value costs one
-  ``JITFunction.run`` per new step shape (sequence lengths enter as sizes and strides) and kernel, in the step's
-  first layer; the other layers launch directly. Anything it does not mirror goes through ``JITFunction.run``:
+  compiled kernel itself, with the arguments in the order ``JITFunction.run`` passes them (the launcher call
+  ``_LAUNCH_CALL``; a Triton whose ``JITFunction.run`` does not make that call gets no DirectLaunch). Keying
+  integers by value costs one ``JITFunction.run`` per new step shape (sequence lengths enter as sizes and strides)
+  and kernel, in the step's first layer; the other layers launch directly. Anything it does not mirror goes through ``JITFunction.run``:
   launch hooks set (profilers such as proton), pre-run hooks, an argument of another type (tuples, descriptors),
   the first call of a key.
 
