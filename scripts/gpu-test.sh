@@ -113,7 +113,8 @@ TUNINGS=.gpu/triton-autotune.tgz
 [ -f "$TUNINGS" ] || TUNINGS=scripts/gpu/triton-autotune.tgz
 if [ -f "$TUNINGS" ]; then
   tar xzf "$TUNINGS" -C "$TRITON_CACHE"
-  echo "autotuning results restored from $TUNINGS: $(tar tzf "$TUNINGS" | grep -c autotune.json) kernels" | tee -a "$LOG/setup.log"
+  echo "autotuning results restored from $TUNINGS: $(tar tzf "$TUNINGS" | grep -c autotune.json) kernels" |
+    tee -a "$LOG/setup.log"
 fi
 save_autotune() {  # the autotuning timings only (the compiled kernels are large and quick to rebuild)
   (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar czf "$LOG/triton-autotune.tgz" -T -) || true

@@ -36,9 +36,9 @@ leaves the kernels' code untouched and changes three things around them:
   compiled kernel itself, with the arguments in the order ``JITFunction.run`` passes them (the launcher call
   ``_LAUNCH_CALL``; a Triton whose ``JITFunction.run`` does not make that call gets no DirectLaunch). Keying
   integers by value costs one ``JITFunction.run`` per new step shape (sequence lengths enter as sizes and strides)
-  and kernel, in the step's first layer; the other layers launch directly. Anything it does not mirror goes through ``JITFunction.run``:
-  launch hooks set (profilers such as proton), pre-run hooks, an argument of another type (tuples, descriptors),
-  the first call of a key.
+  and kernel, in the step's first layer; the other layers launch directly. Anything it does not mirror goes
+  through ``JITFunction.run``: launch hooks set (profilers such as proton), pre-run hooks, an argument of another
+  type (tuples, descriptors), the first call of a key.
 
 Switches (envs.py): VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 keeps Triton's launch path,
 VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0 keeps ``JITFunction.run`` under FastLaunch / FastHeuristics, and
