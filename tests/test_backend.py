@@ -8,12 +8,16 @@ import torch
 from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadataBuilder, split_decodes_first
 
 
-def _builder(chunk=8, max_num_seqs=8, max_capture=4):
+def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None):
+    """A builder for one group of layers: ``layers`` maps layer names to (conv pool, ssm pool)."""
+    layers = layers or {"l0": (torch.zeros(0), torch.zeros(0))}
     hf_config = SimpleNamespace(chunk_size=chunk, conv_kernel=4)
+    ctx = {name: SimpleNamespace(kv_cache=list(pools)) for name, pools in layers.items()}
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
                                   scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-                                  compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture))
-    return Mamba2PluginMetadataBuilder(None, ["l0"], vllm_config, torch.device("cpu"))
+                                  compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture,
+                                                                     static_forward_context=ctx))
+    return Mamba2PluginMetadataBuilder(None, list(layers), vllm_config, torch.device("cpu"))
 
 
 def _cam(query_lens, context_lens, slots):
@@ -134,8 +138,34 @@ def test_batches_a_full_graph_cannot_replay_take_the_general_path(full_graphs):
     builder = _builder()
     mixed = builder.build(0, _cam([1, 4], [3, 0], [2, 5]))  # a prefill row
     assert (mixed.num_decodes, mixed.num_prefills) == (1, 1)
-    fresh = builder.build(0, _cam([1, 1], [3, 0], [2, 5]))  # a fresh 1-token prompt has no state to resume
-    assert (fresh.num_decodes, fresh.num_prefills) == (1, 1) and fresh.has_initial_state_p.tolist() == [False]
+    gap = builder.build(0, _cam([1, 0, 1], [3, 0, 2], [2, 0, 5]))  # a zero-token row that is not trailing padding
+    assert gap.num_prefills == 2 and gap.state_indices_d.data_ptr() != builder._graph_slots.data_ptr()
     big = builder.build(0, _cam([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
     assert (big.num_decodes, big.num_prefills) == (6, 0)
     assert big.state_indices_d.data_ptr() != builder._graph_slots.data_ptr()
+
+
+def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(full_graphs):
+    """The runner replays a FULL decode graph for any batch of one-token rows, fresh prompts included (its
+    dispatch looks at the shape only), and the graph runs the decode kernels on the persistent slot buffer. So
+    such a batch must get the graph metadata, with the fresh rows' slots in the buffer and their states zeroed
+    in every layer (a slot keeps its last owner's state). Before, a fresh row sent the batch down the general
+    path, and the replay ran on the previous graph step's slots: those requests advanced twice, and the fresh
+    prompt read a stale state."""
+    pools = {name: (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2)) for name in ("l0", "l1")}
+    builder = _builder(layers=pools)
+    builder.build(0, _cam([1, 1, 1], [4, 2, 7], [1, 2, 3]))  # an earlier graph step
+    meta = builder.build(0, _cam([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))  # rows 1, 2 fresh (slot 2 reused)
+    assert (meta.num_decodes, meta.num_prefills) == (4, 0)
+    assert meta.state_indices_d.data_ptr() == builder._graph_slots.data_ptr()
+    assert meta.state_indices_d.tolist() == [6, 2, 4, -1]
+    for conv, ssm in pools.values():
+        for pool in (conv, ssm):
+            zeroed = [s for s in range(8) if bool((pool[s] == 0).all())]
+            assert zeroed == [2, 4] and bool((pool[6] == 1).all())
+
+
+def test_capture_rows_leave_the_states_alone(full_graphs):
+    pools = {"l0": (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2))}
+    _builder(layers=pools).build_for_cudagraph_capture(_cam([1, 1], [0, 0], [0, 0]))
+    assert all(bool((p == 1).all()) for p in pools["l0"])

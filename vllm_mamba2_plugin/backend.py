@@ -24,9 +24,14 @@ CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point 
 rows of zero tokens whose block-table entry is the null block; the builder then counts every row as a decode
 and hands the mixer a persistent slot buffer (same address at capture and replay) whose padded tail holds
 PAD_SLOT (-1): both decode kernels skip such rows (no state read or written, output 0), as vLLM's in-tree
-Mamba2 does. (Until the fifth session the tail pointed at the null block 0: every padded row then read and
-wrote the same slot, and on the H200 a 2.7b step of 111 real rows padded to 256 spent 17.0 ms in the state
-update against 10.9 ms for 256 real rows -- benchmarks/RESULTS.md.)
+Mamba2 does. Padded rows must not share a real slot: every one of them would read and write it.
+
+The runner picks a FULL graph from the batch's shape alone: every row one token. A fresh one-token prompt (or
+the first one-token chunk of a longer prompt) has that shape too, and the captured graph runs the decode kernels
+on whatever the persistent slot buffer holds. So every batch of that shape gets the graph metadata, fresh rows
+included, and a fresh row's slot is zeroed first (``_zero_fresh_slots``): a one-token decode from a zero state is
+that token's prefill. Any other metadata would leave the buffer holding the previous graph step's slots, and the
+replay would advance those requests' states a second time.
 """
 
 from dataclasses import dataclass
@@ -146,7 +151,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         context_lens = seq_lens_cpu - query_lens
 
         if self.full_decode_graphs:
-            graph_meta = self._build_graph_decode(cam, query_lens, context_lens, _force_decode)
+            graph_meta = self._build_graph_decode(cam, query_lens, context_lens, capture=_force_decode)
             if graph_meta is not None:
                 return graph_meta
         num_decodes = split_decodes_first(query_lens, context_lens)
@@ -189,18 +194,18 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             any_initial_state_p=any_init,
         )
 
-    def _build_graph_decode(self, cam, query_lens, context_lens, force: bool):
-        """Decode-only batch that a FULL graph may replay: all real rows are one-token decodes, followed only
-        by padding rows of zero tokens. Returns None for any other batch (the general path handles it)."""
+    def _build_graph_decode(self, cam, query_lens, context_lens, capture: bool):
+        """Metadata for a batch that a FULL decode graph may replay: every real row one token, then only the
+        runner's padding rows of zero tokens. Returns None for any other batch (the general path handles it).
+        capture: the runner's dummy rows for a graph capture (no request, no state to reset)."""
         num_reqs = cam.num_reqs
         if num_reqs == 0 or num_reqs > self.decode_graph_max_bs:
             return None
-        real = query_lens > 0
-        num_real = int(real.sum())
-        if bool((~real[:num_real]).any()) or bool(real[num_real:].any()):
-            return None  # zero-token rows are not all at the end: not the runner's padding
-        if not force and split_decodes_first(query_lens[:num_real], context_lens[:num_real]) != num_real:
-            return None
+        num_real = int((query_lens > 0).sum())
+        if bool((query_lens[:num_real] != 1).any()) or bool(query_lens[num_real:].any()):
+            return None  # a longer row, or zero-token rows not all at the end: not a uniform decode batch
+        if not capture:
+            self._zero_fresh_slots(cam.block_table_tensor, torch.nonzero(context_lens[:num_real] == 0).view(-1))
         slots, slots_i32 = self._graph_slots[:num_reqs], self._graph_slots_i32[:num_reqs]
         slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
         slots[num_real:].fill_(PAD_SLOT)
@@ -217,3 +222,17 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             query_start_loc_p=self._no_prefill_qsl,
             has_initial_state_p=self._no_prefill_flags,
         )
+
+    def _zero_fresh_slots(self, block_table: torch.Tensor, fresh_rows: torch.Tensor) -> None:
+        """Zero the conv and SSM state of the slots of ``fresh_rows`` (host row indices) in every layer of this
+        group: vLLM hands a new request a slot as its last owner left it. Only steps with a fresh one-token row in
+        a decode-shaped batch pay for it (two fills per layer)."""
+        if fresh_rows.numel() == 0:
+            return
+        dev = block_table.device
+        rows = fresh_rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fresh_rows.to(dev)
+        slots = block_table[:, 0].index_select(0, rows).to(torch.int64)
+        layers = self.vllm_config.compilation_config.static_forward_context
+        for name in self.layer_names:
+            for pool in compat.layer_states(layers[name]):
+                pool.index_fill_(0, slots, 0)

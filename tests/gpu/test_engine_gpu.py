@@ -150,3 +150,25 @@ def test_fp32_full_decode_graphs_greedy_slot_reuse(model_dirs, oracles, monkeypa
         got, _ = _gen(llm, [prompts[1]] * 37, max_tokens=12)
         assert all(g == want for g in got)
         _gen(llm, prompts[:3], max_tokens=5)
+
+
+def test_fresh_one_token_prompts_in_full_decode_graphs(model_dirs, oracles, monkeypatch):
+    """A fresh one-token prompt that joins a batch of decodes makes a batch of one-token rows, which vLLM's runner
+    replays as a FULL decode graph (its dispatch looks at the shape only). The prompt's slot held an earlier
+    request's state. 40 prompts, half of them one token long, through 16 slots with staggered lengths, so that
+    newcomers keep joining decode batches; three rounds. (Before the builder zeroed such slots and put such rows
+    in the graph's slot buffer: wrong first tokens, margin ~2 logits, and other requests advanced twice.)"""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    variant = "g8_bias"
+    llm = _llm(model_dirs[variant], enforce_eager=False,
+               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    prompts = [[7 + i] if i % 2 else random_prompts([2 + i % 5], VOCAB, seed=50 + i)[0] for i in range(40)]
+    lengths = [2 + (3 * i) % 11 for i in range(40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [oracle_generate(oracles[variant], p, n)[0] for p, n in zip(prompts, lengths)]
+    for _ in range(3):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -503,7 +503,7 @@ def conv_update(
         return x.new_empty(0, Dm)
     k = _kernels()
     # int32, stride 1 (causal_conv1d.cpp:519-522); negative entries would be skipped (update.cu:47-54).
-    idx = state_indices.to(device=conv_states.device, dtype=torch.int32).contiguous()
+    idx = _unit_stride(state_indices.to(device=conv_states.device, dtype=torch.int32))
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:500
     if activation not in (None, "silu", "swish"):
@@ -551,7 +551,7 @@ def ssm_state_update(
     # int64 indices: the Triton kernel offsets the pool by index * slot stride (selective_state_update.py:60-65)
     # and an int64 index keeps that product 64-bit for large pools. The kernel reads index pid_b at
     # ptr + pid_b, so the tensor must be contiguous. (No copy when the caller already passes int64.)
-    idx = state_indices.to(device=dev, dtype=torch.int64).contiguous()
+    idx = _unit_stride(state_indices.to(device=dev, dtype=torch.int64))
     # Multi-head form: dt (B, H, P), A (H, P, N), dt_bias (H, P), D (H, P), broadcast with stride 0 (as vLLM
     # does). With A, dt and dt_bias all stride-0 in the head dim the kernel takes its TIE_HDIM path
     # (selective_state_update.py:199): one scalar dt and exp(dt*A) per head. The kernel loads dt in any float
@@ -636,6 +636,13 @@ def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, bl
             dt_softplus, tie_hdim, block_m, num_warps=num_warps,
         )
     return out
+
+
+def _unit_stride(idx: torch.Tensor) -> torch.Tensor:
+    """A 1-D index tensor with stride 1. ``.contiguous()`` is not enough: it keeps any stride of a one-element
+    tensor (a one-row step's slot, sliced from a block-table column, has the table's row stride), and
+    causal-conv1d's update checks ``conv_state_indices.stride(0) == 1`` (causal_conv1d.cpp:521)."""
+    return idx if idx.stride(0) == 1 else idx.clone(memory_format=torch.contiguous_format)
 
 
 _ZEROS: dict = {}
