@@ -8,7 +8,7 @@ Two kinds of check:
   architecture names), so an unsupported option fails before any worker starts, instead of half-running.
 """
 
-from . import envs
+from . import envs, patches
 from .compat import VerifyAndUpdateConfig
 
 ERROR_PREFIX = "vllm-mamba2-plugin"
@@ -92,6 +92,7 @@ class Mamba2PluginConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(cls, vllm_config) -> None:
         check_engine_options(vllm_config)
         check_hf_config(vllm_config.model_config.hf_config)
+        patches.install()  # the front end's request checks (patches.py)
         cache = vllm_config.cache_config
         # One block per request holds its whole state: the block must span the longest request.
         if getattr(cache, "mamba_block_size", None) is None:
