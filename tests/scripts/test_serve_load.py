@@ -1,0 +1,54 @@
+"""scripts/serve_load.py on the CPU: the OpenAI server with the plugin under concurrent streaming clients (random
+arrivals, disconnects, n = 2, one-token to multi-chunk prompts, chunked prefill), every token checked against the
+float64 recurrence; then health, no request left, every state slot free, no memory growth; and the malformed
+requests, each answered with a 4xx that names the problem, the next valid request answered exactly. With and
+without a tokenizer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def g4_model(tmp_path_factory):
+    """The serving test shape: n_groups 4, head_dim 32, conv width 4, linear biases; a small chunk (16), so that
+    prompts of up to 100 tokens span several chunks and a 64-token step budget cuts them."""
+    from vllm_mamba2_plugin import tiny_model
+
+    spec = tiny_model.TinyMamba2Spec(hidden_size=128, num_heads=8, head_dim=32, n_groups=4, chunk_size=16,
+                                     use_bias=True, seed=7)
+    return tiny_model.build(str(tmp_path_factory.mktemp("serve") / "g4"), spec)
+
+
+def _run(model, tmp_path, harness_args, server_args):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve_load.py"), "--model", model, "--out", str(out),
+           "--log", str(tmp_path / "server.log"), *harness_args, "--", "--max-model-len", "512",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "64", *server_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:] + (tmp_path / "server.log").read_text()[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_server_under_load_without_tokenizer(g4_model, tmp_path):
+    report = _run(g4_model, tmp_path, ["--requests", "160", "--concurrency", "16", "--warmup-requests", "16",
+                                       "--tail-requests", "24", "--max-prompt", "100", "--bad-inputs"],
+                  ["--skip-tokenizer-init"])
+    assert report["exact"] == 160 and not report["wrong"] and not report["near_ties"]
+    assert report["disconnected"] > 0  # the workload did hang up on some streams
+    assert report["metrics_after"]["kv_cache_usage_perc"] == 0 and report["healthy_after"]
+    assert len(report["bad_inputs"]) == 14 and all(400 <= b["status"] < 500 for b in report["bad_inputs"])
+
+
+@pytest.mark.slow
+def test_bad_inputs_with_a_tokenizer(g4_model, tmp_path):
+    report = _run(g4_model, tmp_path, ["--requests", "24", "--concurrency", "8", "--max-prompt", "60",
+                                       "--bad-inputs"], [])
+    assert report["exact"] == 24
+    assert all(b["names_problem"] and b["next_request_exact"] for b in report["bad_inputs"])
