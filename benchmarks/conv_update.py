@@ -3,7 +3,7 @@
     python benchmarks/conv_update.py [--shapes 130m,2.7b,7b] [--batches 1,64,256] [--out results.jsonl]
 
 On the H200 the plugin's decode step spends ~1.9 ms of a 26 ms 7b batch-256 step in causal-conv1d's
-``causal_conv1d_update`` against ~1 ms for vLLM's Triton conv update (RESULTS.md, fifth session). causal-conv1d's
+``causal_conv1d_update`` against ~1 ms for vLLM's Triton conv update (RESULTS.md). causal-conv1d's
 kernel shifts the (W-1)-row state left in place: per channel it loads a row, stores it one row up, loads the
 next, ... (the compiler cannot hoist a load above a store that may alias), a chain of dependent memory
 round trips. Given ``cache_seqlens`` it treats the state as a ring instead (causal_conv1d_update.cu:75-94): token
@@ -17,7 +17,7 @@ state and weights, silu, bias, slots scattered in a pool of 2*batch+1):
 and checks that ring and in-tree give the linear path's output, and that the ring state holds the linear
 state rotated by the position (all exact: the same products in the same order, or reported otherwise).
 
-Answer on the H200 (RESULTS.md, eighth session): ring is 1.01-1.17x linear (< 1 % of a decode step), vLLM's
+Answer on the H200 (RESULTS.md): ring is 1.01-1.17x linear (< 1 % of a decode step), vLLM's
 Triton update 1.25-2.06x. The shift is not what makes causal-conv1d's update slow, so the plugin keeps
 oldest-first states (a ring layout was built, measured with this script, and reverted).
 """

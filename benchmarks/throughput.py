@@ -14,10 +14,8 @@ seconds apart instead of minutes apart. On the H200 the host's speed drifts by u
 Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
 Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
-``plugin-jit-launch`` (VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0: every Triton launch through JITFunction.run, the
-plugin's launch path before 2026-12-03's sixteenth session),
-``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is the old name of the default (results before
-2026-12-02's third session, when FULL decode graphs were opt-in).
+``plugin-jit-launch`` (VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0: every Triton launch through JITFunction.run),
+``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is an old name of the default.
 
 Every cell first runs its exact workload once, untimed (prompt + a few new tokens, or the whole prefill cell):
 Triton compiles a kernel per new integer specialisation (batch sizes, token counts), and a compile inside the
@@ -408,7 +406,7 @@ def markdown(rows, bw, cmd) -> str:
 def paired_prefill_ratio(plugin_runs, intree_runs):
     """In-tree / plugin time of each pair of timed prefill runs that ran next to each other (--interleave: run k
     of one engine, then run k of the other), and their geometric mean. A ratio of medians mixes runs that are
-    seconds apart, and the host's speed moves within seconds (RESULTS.md, fifteenth session: one engine's runs
+    seconds apart, and the host's speed moves within seconds (on the H200 one engine's runs
     0.80-1.35 s); each pair shares the host's state of its moment."""
     import math
 

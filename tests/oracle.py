@@ -2,7 +2,7 @@
 
 Written from the Mamba-2 paper and the HF weight layout, sharing no code with the plugin: one token at a
 time, per-token conv-window shift, h = exp(dt·A)·h + dt·x⊗B, y = h·C + D·x, per-group gated RMSNorm
-(mamba-ssm / vLLM semantics; DESIGN.md §7 explains why HF's whole-width norm is not used for n_groups > 1).
+(mamba-ssm / vLLM semantics; docs/architecture.md §6 explains why HF's whole-width norm is not used for n_groups > 1).
 """
 
 import json

@@ -163,7 +163,7 @@ def test_compiled_graph_mode_matches_recurrence(model_dirs, oracles):
 
 def test_greedy_matches_hf_transformers_for_one_group(model_dirs, oracles):
     """HF transformers' Mamba2ForCausalLM (its CPU torch path) is a valid oracle for n_groups == 1 only:
-    it normalises the gated RMSNorm over the whole width (DESIGN.md §7)."""
+    it normalises the gated RMSNorm over the whole width (docs/architecture.md §6)."""
     from transformers import Mamba2ForCausalLM
 
     variant = "g1"

@@ -1,7 +1,7 @@
 """Every difference between the vLLM releases the plugin supports (0.26 through 0.32), and nothing else.
 
 The rest of the package imports vLLM names from here only, so one file says what moved between releases.
-What differs (DESIGN.md §6), and how it is bridged:
+What differs (docs/vllm-0.26-vs-0.32.md), and how it is bridged:
 
 * state tensors on a layer: 0.26's runner assigns ``layer.kv_cache = [conv, ssm]`` (a list of views);
   0.32 calls ``MambaBase.bind_kv_cache(raw)``, which stores a tuple. ``layer_states`` reads either.

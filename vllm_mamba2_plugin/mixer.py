@@ -220,11 +220,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         per key of head, state and chunk sizes -- not length -- and tensor dtypes (an argument given or None
         counts), on the arguments of that signature's first call, and that choice then serves every step;
         tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
-        GPU time is (H200, 2.7b: 111 vs 86 us per layer; RESULTS.md, tenth session). So: two fresh prompts (the
+        GPU time is (H200, 2.7b: 111 vs 86 us per layer). So: two fresh prompts (the
         packed call), a resumed first sequence ending inside chunk 0 (state passing with an initial state; the
         varlen final-state kernel) and a resumed second sequence (its rerun: the kernels without seq_idx). The
         H200's autotuning files showed the rerun signatures tuned on small layouts taking tiles 1.1-1.4x slower
-        on a full step (RESULTS.md, thirteenth session). Their intermediates are allocated inside the profile
+        on a full step. Their intermediates are allocated inside the profile
         run that sizes the state pools, as a real step of that size allocates them.
 
         Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
@@ -237,8 +237,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         call's own initial state)). The chunk count reaches 16 only in steps of more than 15 chunks, so that
         class is warmed only when the budget allows such steps (T = 15 chunks + 16..24 tokens). (On the H200 the
         JIT monitor saw ``_state_passing_fwd_kernel`` compile at the first requests of 2.7b runs: steps of
-        8 159-8 190 tokens, 32 chunks, against warm-up layouts of at most two chunks; RESULTS.md, eleventh and
-        twelfth sessions.)
+        8 159-8 190 tokens, 32 chunks, against warm-up layouts of at most two chunks.)
 
         Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer),
         up to ``SEPARATE_RESUMED_MAX`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the

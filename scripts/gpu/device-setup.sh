@@ -5,9 +5,8 @@
 # takes the place of the Mamba1 selective-scan extension, which Mamba2 never calls) and causal-conv1d's
 # CUDA extension forward-only (inference needs no backward). After it: export PYTHONPATH=$SITE
 #
-# Project copy of ../shared/gpu/device-setup.sh with one change: the causal-conv1d build (~50 s) is reused
-# across the calls of a session. After building, it leaves $OUT/causal_conv1d-sm90.tar.gz (the installed
-# package, ~MBs); copy that file into the payload folder (.gpu/) and later calls unpack it instead of building.
+# The causal-conv1d build (~50 s) is reused across calls: after building, it leaves
+# $OUT/causal_conv1d-sm90.tar.gz (the installed package, ~MBs); copy that file into the payload folder (.gpu/) and later calls unpack it instead of building.
 set -euo pipefail
 PAYLOAD=$(cd "${PAYLOAD:-.gpu}" && pwd); SITE=${SITE:-/tmp/site}; JOBS=${MAX_JOBS:-16}
 mkdir -p "$SITE"

@@ -1116,7 +1116,7 @@ def _chunked_prefill_steps(rng, budget: int, n: int):
 def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypatch):
     """After the profile run's warm-ups (prefill and decode), the steps of serving compile no Triton kernel: a
     compile inside a step is a latency spike at a first request (vLLM's JIT monitor saw _state_passing_fwd_kernel
-    compile at the first requests of 2.7b runs on the H200, twelfth session). Steps as vLLM's scheduler makes them
+    compile at the first requests of 2.7b runs on the H200). Steps as vLLM's scheduler makes them
     at an 8 192-token budget (decode rows, a resumed chunk, fresh prompts, the last one cut), through the mixer's
     own decode / prefill / norm steps. Triton's compile hook records every compile, warm-ups included, so a failure
     names the specialisation the warm-up missed next to the ones it compiled."""

@@ -3,7 +3,7 @@
 The oracle below is deliberately naive and written from the Mamba-2 paper, not from the chunked algorithm:
 a Python loop over tokens (and heads), float64, per-token conv state shift,
     h = exp(dt*A) h + dt * x ⊗ B ;  y = h · C + D x,
-and a gated RMSNorm with an explicit loop over groups (DESIGN.md §7: the per-group norm is the correct one).
+and a gated RMSNorm with an explicit loop over groups (docs/architecture.md §6: the per-group norm is the correct one).
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def test_gated_rms_norm_per_group(n_groups):
 
 
 def test_gated_rms_norm_groups_differ_from_whole_width():
-    """Guard against a well-meant 'fix' towards HF transformers' CPU path (whole-width norm, DESIGN.md §7)."""
+    """Guard against a well-meant 'fix' towards HF transformers' CPU path (whole-width norm, docs/architecture.md §6)."""
     torch.manual_seed(6)
     d = 16
     x = torch.randn(5, d)

@@ -319,7 +319,7 @@ def ssd_chunk_scan(
         if end <= chunk_size and not aligned:
             decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
             # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two
-            # full-size copies per layer of every chunked-prefill step: benchmarks/RESULTS.md, ninth session).
+            # full-size copies per layer of every chunked-prefill step: benchmarks/RESULTS.md).
             row0 = fin_k[0].to(torch.float32) + decay[:, None, None] * initial_states[first].to(torch.float32)
             fin_k = fin_k.to(state_dtype)
             fin_k[0] = row0

@@ -20,7 +20,7 @@ Unrolled, y_l = sum_{s <= l} (C_l · B_s) * exp(sum_{k=s+1..l} dt_k A) * dt_s x_
 a masked (causal) "attention" whose mask is the 1-semiseparable decay matrix L = exp(segsum(dt A)).
 The chunked algorithm computes that quadratic form inside chunks and passes states between chunks.
 
-State layouts match what vLLM allocates per slot (see DESIGN.md §3):
+State layouts match what vLLM allocates per slot (docs/architecture.md §2):
     conv state (W-1, D)  -- the last W-1 inputs, oldest first, channel innermost ("SD" layout)
     ssm state  (H, P, N)
 """
@@ -476,7 +476,7 @@ def gated_rms_norm(
 
     x, z: (T, d_inner) (any leading dims); weight: (d_inner,); the RMS is taken over each contiguous group of
     group_size channels (group_size = d_inner // n_groups) -- as mamba-ssm's RMSNormGated(group_size=...) and
-    vLLM do (NOT over the whole width as HF transformers' CPU path does; see DESIGN.md §7: that is only
+    vLLM do (NOT over the whole width as HF transformers' CPU path does; see docs/architecture.md §6: that is only
     equivalent for n_groups == 1). Compute in float32, return x.dtype. z = None means no gate.
     out: optional buffer of x's shape, written and returned.
     """

@@ -7,7 +7,7 @@ leaves the kernels' code untouched and changes three things around them:
   goes through Triton's ``Autotuner.run``, which on every call rebuilds the argument dicts (with a list
   membership test per argument), the tuning key (``str(dtype)`` of every tensor argument) and the chosen config's
   kwargs: ~45 µs per launch under cProfile on the H200's host, six launches per layer of every prefill step, and
-  prefill steps are host-bound (benchmarks/RESULTS.md, tenth session). ``FastLaunch`` takes the autotuner's place
+  prefill steps are host-bound (benchmarks/RESULTS.md). ``FastLaunch`` takes the autotuner's place
   at mamba-ssm's call sites (the module globals that its wrappers look up at call time). It builds the same key
   from precomputed argument positions, takes the autotuner's own choice for it (``Autotuner.cache``), and calls
   the JIT function with that config the way ``Autotuner.run`` does (triton 3.6 runtime/autotuner.py:
@@ -19,8 +19,8 @@ leaves the kernels' code untouched and changes three things around them:
 * **vLLM's config lists** (``EXTRA_CONFIGS``). vLLM 0.26 ships its own copies of these kernels. Their autotune
   lists add configs that mamba-ssm 2.3.2's lists lack: 12 for ``_chunk_scan_fwd_kernel``, 5 for
   ``_chunk_state_fwd_kernel``. Among them is the config that vLLM's chunk scan picks on the H200 at the 2.7b shape
-  ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer, against 237 µs for mamba-ssm's choice; RESULTS.md, tenth
-  session). ``install`` appends them to mamba-ssm's lists, so its autotuner also benchmarks them and keeps the
+  ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer, against 237 µs for mamba-ssm's choice; RESULTS.md).
+  ``install`` appends them to mamba-ssm's lists, so its autotuner also benchmarks them and keeps the
   fastest by its own measurement. This is skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 without
   TRITON_CACHE_AUTOTUNING=1), which pins one config per kernel on purpose.
 * **Launch compiled kernels directly** (``DirectLaunch``, under FastLaunch / FastHeuristics). Even with the
@@ -28,7 +28,7 @@ leaves the kernels' code untouched and changes three things around them:
   builds its cache key (``str(options)`` of the compile options on every call) and then calls the compiled
   kernel's launcher. On the H200, in a 2.7b prefill step (two 4 096-token prompts), that Python work ran ahead of
   each of a layer's six Triton launches for 70-130 µs under the profiler, and the plugin's steps were host-bound:
-  131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md, sixteenth session).
+  131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md).
   ``DirectLaunch`` keys each call on at least what Triton specialises on -- every argument's type, each
   tensor's dtype and address modulo 16, the exact value of every integer, bool, constexpr and compile option
   (Triton reads only an integer's class: == 1, multiple of 16, 32/64-bit), the current device -- and after a
