@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 
@@ -119,8 +120,6 @@ class Server:
                                      start_new_session=True)
 
     def wait_healthy(self, timeout: float) -> None:
-        import urllib.request
-
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -247,8 +246,6 @@ async def run_load(args, server, model, bases, reqs, answers, report, concurrenc
 
 # ---- after the load: health, idle engine, free slots, memory ---------------------------------------------------
 def metrics(url: str) -> dict:
-    import urllib.request
-
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
@@ -352,8 +349,6 @@ def main(argv=None) -> int:
         cfg = json.load(f)
     vocab = cfg["vocab_size"]
     args.chunk = args.chunk or cfg["chunk_size"]
-    max_model_len = int(server_args[server_args.index("--max-model-len") + 1]) if "--max-model-len" in server_args \
-        else None
     bases, reqs = make_workload(args, vocab)
     probe = dict(id=-1, base=0, length=min(5, args.max_prompt), max_tokens=8, n=1, disconnect_after=None)
     wanted = {}
@@ -364,32 +359,11 @@ def main(argv=None) -> int:
     if args.answers_only:
         return 0
     report = dict(requests=args.requests, concurrency=args.concurrency, server_args=server_args, env=args.env,
-                  oracle_s=round(time.time() - t0, 1), exact=0, completed=0, disconnected=0, wrong=[], near_ties=[], errors=[],
-                  bad_inputs=[])
-    env = dict(e.split("=", 1) for e in args.env)
-    server = Server(args.model, server_args, args.log, env)
+                  oracle_s=round(time.time() - t0, 1), exact=0, completed=0, disconnected=0, wrong=[],
+                  near_ties=[], errors=[], bad_inputs=[])
+    server = Server(args.model, server_args, args.log, dict(e.split("=", 1) for e in args.env))
     try:
-        t0 = time.time()
-        server.wait_healthy(args.start_timeout)
-        report["start_s"] = round(time.time() - t0, 1)
-        model = json.loads(__import__("urllib.request").request.urlopen(server.url + "/v1/models").read())["data"][0]["id"]
-        tail = len(reqs) - args.tail_requests
-        warm, main_reqs, tail_reqs = reqs[: args.warmup_requests], reqs[args.warmup_requests: tail], reqs[tail:]
-        if warm:
-            asyncio.run(run_load(args, server, model, bases, warm, answers, report, args.concurrency))
-            settle(server.url)
-        report["rss_mb_before"], report["gpu_mb_before"] = server.rss_mb(), gpu_used_mb()
-        t0 = time.time()
-        asyncio.run(run_load(args, server, model, bases, main_reqs, answers, report, args.concurrency))
-        asyncio.run(run_load(args, server, model, bases, tail_reqs, answers, report, args.tail_concurrency))
-        report["load_s"] = round(time.time() - t0, 1)
-        report["metrics_after"] = settle(server.url)
-        report["rss_mb_after"], report["gpu_mb_after"] = server.rss_mb(), gpu_used_mb()
-        if args.bad_inputs:
-            mml = max_model_len or cfg.get("max_position_embeddings") or 2048
-            asyncio.run(run_bad_inputs(server, model, vocab, mml, bases, answers, probe, report))
-            report["metrics_after_bad"] = settle(server.url)
-        report["healthy_after"] = server.proc.poll() is None and _healthy(server.url)
+        serve_and_check(args, server, server_args, cfg, bases, reqs, probe, answers, report)
     finally:
         server.stop()
     verdict = summarize(args, report)
@@ -409,9 +383,34 @@ def main(argv=None) -> int:
     return 0 if not verdict else 1
 
 
-def _healthy(url: str) -> bool:
-    import urllib.request
+def serve_and_check(args, server, server_args, cfg, bases, reqs, probe, answers, report) -> None:
+    """The warm-up, the load and its tail, the checks after them and the bad requests, into ``report``."""
+    t0 = time.time()
+    server.wait_healthy(args.start_timeout)
+    report["start_s"] = round(time.time() - t0, 1)
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    tail = len(reqs) - args.tail_requests
+    warm, main_reqs, tail_reqs = reqs[: args.warmup_requests], reqs[args.warmup_requests: tail], reqs[tail:]
+    if warm:
+        asyncio.run(run_load(args, server, model, bases, warm, answers, report, args.concurrency))
+        settle(server.url)
+    report["rss_mb_before"], report["gpu_mb_before"] = server.rss_mb(), gpu_used_mb()
+    t0 = time.time()
+    asyncio.run(run_load(args, server, model, bases, main_reqs, answers, report, args.concurrency))
+    asyncio.run(run_load(args, server, model, bases, tail_reqs, answers, report, args.tail_concurrency))
+    report["load_s"] = round(time.time() - t0, 1)
+    report["metrics_after"] = settle(server.url)
+    report["rss_mb_after"], report["gpu_mb_after"] = server.rss_mb(), gpu_used_mb()
+    if args.bad_inputs:
+        max_model_len = (int(server_args[server_args.index("--max-model-len") + 1])
+                         if "--max-model-len" in server_args else cfg.get("max_position_embeddings") or 2048)
+        asyncio.run(run_bad_inputs(server, model, cfg["vocab_size"], max_model_len, bases, answers, probe, report))
+        report["metrics_after_bad"] = settle(server.url)
+    report["healthy_after"] = server.proc.poll() is None and _healthy(server.url)
 
+
+def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             return r.status == 200

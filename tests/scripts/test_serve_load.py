@@ -31,7 +31,8 @@ def _run(model, tmp_path, harness_args, server_args):
            "--log", str(tmp_path / "server.log"), *harness_args, "--", "--max-model-len", "512",
            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", *server_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:] + (tmp_path / "server.log").read_text()[-3000:]
+    server_log = (tmp_path / "server.log").read_text()[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:] + server_log
     return json.loads(out.read_text())
 
 
