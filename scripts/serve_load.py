@@ -167,14 +167,14 @@ def gpu_used_mb() -> float | None:
 
 
 # ---- clients ----------------------------------------------------------------------------------------------------
-async def stream_completion(session, url, model, prompt, max_tokens, n, disconnect_after):
+async def stream_completion(http, url, model, prompt, max_tokens, n, disconnect_after):
     """One streaming completion: {choice index: [token ids]}, whether the client hung up, the HTTP status."""
     # vLLM refuses n > 1 with greedy sampling; top_k = 1 samples the argmax all the same.
     sampling = dict(temperature=0.0) if n == 1 else dict(temperature=1.0, top_k=1)
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, n=n, stream=True, ignore_eos=True,
                 return_token_ids=True, **sampling)
     got, chunks = {i: [] for i in range(n)}, 0
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             return got, False, resp.status, (await resp.text())[:500]
         async for raw in resp.content:
@@ -217,14 +217,14 @@ async def run_load(args, server, model, bases, reqs, answers, report, concurrenc
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
 
     async def client():
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout) as http:
             while not queue.empty():
                 r = queue.get_nowait()
                 await asyncio.sleep(rng.expovariate(1.0 / args.mean_gap))
                 prompt = bases[r["base"]][: r["length"]]
                 try:
                     got, hung_up, status, err = await stream_completion(
-                        session, server.url, model, prompt, r["max_tokens"], r["n"], r["disconnect_after"])
+                        http, server.url, model, prompt, r["max_tokens"], r["n"], r["disconnect_after"])
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     got, hung_up, status, err = {}, False, -1, repr(e)
                 if status != 200:
@@ -291,15 +291,15 @@ def bad_requests(model: str, vocab: int, max_model_len: int) -> list:
 
 async def run_bad_inputs(server, model, vocab, max_model_len, bases, answers, probe, report) -> None:
     """Each bad request must get a 4xx whose message names the problem; the next valid one is answered exactly."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         for name, body, words in bad_requests(model, vocab, max_model_len):
             kw = dict(data=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes) else \
                 dict(json=body)
-            async with session.post(server.url + "/v1/completions", **kw) as resp:
+            async with http.post(server.url + "/v1/completions", **kw) as resp:
                 status, text = resp.status, await resp.text()
             named = any(w.lower() in text.lower() for w in words)
             prompt = bases[probe["base"]][: probe["length"]]
-            got, _, ok_status, _ = await stream_completion(session, server.url, model, prompt, probe["max_tokens"],
+            got, _, ok_status, _ = await stream_completion(http, server.url, model, prompt, probe["max_tokens"],
                                                            1, None)
             after_ok = ok_status == 200 and not check(probe, got, False, answers)
             report["bad_inputs"].append(dict(name=name, status=status, message=text[:300], names_problem=named,

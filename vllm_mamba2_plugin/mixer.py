@@ -289,10 +289,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             torch.cuda.synchronize(dev)
         Mamba2Mixer._warm_prefill_signatures.add(sig)
 
-    def _run_prefill_layout(self, k, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1) -> None:
+    def _run_prefill_layout(self, k, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1):
         """One packed prefill block through the real prefill path and its gated norm: ``rows`` (sum(lengths),
         projection width) of projection outputs, sequences of ``lengths`` in slots first_slot, first_slot + 1, ...,
-        each resuming its slot's state where ``resumed`` says so. The output is thrown away (warm-ups, tests)."""
+        each resuming its slot's state where ``resumed`` says so. Returns the normed output (sum(lengths),
+        d_inner); the warm-ups throw it away."""
         cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
         T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
         z, xBC, dt = self._split_projection(rows)
@@ -300,7 +301,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
         y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
                                bool(flags.any()), plan)
-        self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
+        return self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
 
     def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
         """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile

@@ -144,23 +144,10 @@ def _run_step(layer, builder, rows, inputs, mode, dev, monkeypatch):
     return out[: sum(n for _, n in rows)]
 
 
-def _alone(layer, tokens, dev, monkeypatch):
+def _alone(layer, tokens):
     """One request's tokens as one fresh prefill through the reference kernels, on fresh pools."""
-    monkeypatch.setattr(mixer_mod, "get_kernels", lambda d: ref)
-    pools = tuple(torch.zeros(2, *shape, device=dev) for shape in layer.get_state_shape())
-    layer.kv_cache = pools
-    T = tokens.shape[0]
-    meta = backend_mod.Mamba2PluginMetadata(
-        num_decodes=0, num_decode_tokens=0, num_prefills=1, num_prefill_tokens=T, chunk_size=layer.chunk_size,
-        state_indices_d=torch.zeros(0, dtype=torch.int64, device=dev),
-        state_indices_d_i32=torch.zeros(0, dtype=torch.int32, device=dev),
-        state_indices_p=torch.ones(1, dtype=torch.int64, device=dev),
-        query_start_loc_p=torch.tensor([0, T], dtype=torch.int32, device=dev),
-        has_initial_state_p=torch.zeros(1, dtype=torch.bool, device=dev), any_initial_state_p=False)
-    monkeypatch.setattr(compat, "layer_metadata", lambda prefix: meta)
-    out = torch.empty(T, layer.d_inner, device=dev)
-    layer.conv_ssm_forward(tokens, out)
-    return out
+    pools = tuple(torch.zeros(2, *shape, device=tokens.device) for shape in layer.get_state_shape())
+    return layer._run_prefill_layout(ref, tokens, [tokens.shape[0]], [False], *pools)
 
 
 @pytest.mark.parametrize("mode", ["eager", "full-graph"])
@@ -183,12 +170,11 @@ def test_served_steps_equal_each_request_alone(kern, mode, seed, monkeypatch):
     builder.kernels = ck
     outputs = {r["id"]: [] for r in sched.requests}
     kinds = set()
+    monkeypatch.setattr(mixer_mod, "get_kernels", lambda d: ck)
     while True:
         rows = sched.step()
         if not rows:
             break
-        monkeypatch.setattr(mixer_mod, "get_kernels", lambda d: ck)
-        layer.kv_cache = pools
         out = _run_step(layer, builder, rows, inputs, mode, dev, monkeypatch)
         off = 0
         for r, n in rows:
@@ -204,7 +190,7 @@ def test_served_steps_equal_each_request_alone(kern, mode, seed, monkeypatch):
     bad = []
     for r in sched.requests:
         got = torch.cat(outputs[r["id"]])
-        want = _alone(layer, inputs[r["id"]][: got.shape[0]], dev, monkeypatch)
+        want = _alone(layer, inputs[r["id"]][: got.shape[0]])
         err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
         if not err <= tol:  # NaN too: a stale or garbage state was read
             bad.append((r["id"], r["prompt"], got.shape[0], err))
