@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_cuda import F32, FAKE_KERNELS, _mixer_layer, gen, kern, rnd  # noqa: F401  (kern: the backend fixture)
+from test_cuda import _mixer_layer, gen, kern, rnd  # noqa: F401  (kern: the backend fixture)
 from vllm_mamba2_plugin import backend as backend_mod
 from vllm_mamba2_plugin import compat
 from vllm_mamba2_plugin import mixer as mixer_mod
