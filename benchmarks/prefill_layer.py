@@ -169,12 +169,12 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
 
 def plugin_triton_launch_runner(layer: Mamba2Mixer, step, dev, holder):
     """The plugin's path with every mamba-ssm Triton kernel launched through Triton's own ``Autotuner.run`` /
-    ``Heuristics.run`` (as with VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0): the A/B of kernels/triton_launch.py in one
+    ``Heuristics.run`` (as with VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0): the A/B of kernels/cuda/triton_launch.py in one
     process. Triton's objects go back to the call sites for the duration of each call (a few setattr, ~2 us)."""
-    from vllm_mamba2_plugin.kernels import cuda as ck
-    from vllm_mamba2_plugin.kernels import triton_launch as tl
+    from vllm_mamba2_plugin.kernels.cuda import triton_launch as tl
+    from vllm_mamba2_plugin.kernels.cuda import upstream
 
-    k = ck._kernels()
+    k = upstream.kernels()
     run, build_us = plugin_runner(layer, step, dev, holder)
 
     def run_through_triton():

@@ -6,7 +6,7 @@ mamba-ssm's SSD kernels (and vLLM's copies of them) are ``@triton.autotune``d on
 and chunk sizes (``_chunk_scan_fwd_kernel``: chunk_size, hdim, dstate, IS_CAUSAL; ``_state_passing_fwd_kernel``:
 dim): the first call in a process benchmarks every config on ITS arguments, and the winner then serves every
 later call, however long. Both start-up warm-ups make that first call on a tiny batch -- the plugin's
-``Mamba2Mixer._warm_prefill_kernels`` on two sequences of 128 + 384 tokens (2 chunks), vLLM's
+``kernels/cuda/warmup.warm_prefill`` on two sequences of 128 + 384 tokens (2 chunks), vLLM's
 ``_warmup_ssd_kernels`` on one chunk -- where few programs favour small tiles, while the steps that cost GPU
 time pack 8 192 tokens.
 
@@ -31,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prefill_layer as pl  # noqa: E402
 
 from vllm_mamba2_plugin import compat  # noqa: E402
-from vllm_mamba2_plugin.kernels import triton_launch  # noqa: E402
-from vllm_mamba2_plugin.mixer import Mamba2Mixer  # noqa: E402
+from vllm_mamba2_plugin.kernels.cuda import triton_launch, warmup  # noqa: E402
 
 TUNER_MODULES = {
     "plugin": ["mamba_ssm.ops.triton.ssd_chunk_state", "mamba_ssm.ops.triton.ssd_state_passing",
@@ -59,7 +58,7 @@ def autotuners(impl: str) -> dict:
 
 def use_configs(tuners: dict, which: str) -> None:
     """The plugin's SSD autotuners on mamba-ssm's own config lists ("upstream") or with vLLM's configs added
-    ("extended", the plugin's default: kernels/triton_launch.py)."""
+    ("extended", the plugin's default: kernels/cuda/triton_launch.py)."""
     for name, t in tuners.items():
         kernel = name.rsplit(".", 1)[1]
         if kernel in triton_launch.EXTRA_CONFIGS:
@@ -83,10 +82,10 @@ def tune(impl, spec, layer, dtype, dev, holder):
     """Make the tuners' first call: the implementation's engine warm-up, or one call on the packed batch."""
     if spec == "engine":
         if impl == "plugin":
-            Mamba2Mixer._warm_prefill_signatures.clear()
+            warmup._WARMED_PREFILL.clear()
             layer.get_state_dtype = lambda: (dtype, dtype)  # no model/cache config here: bf16 pools, as measured
             projected = torch.zeros(8, layer.in_proj.out_features, dtype=dtype, device=dev)
-            layer._warm_prefill_kernels(projected)  # its first layout is the autotuners' first call
+            warmup.warm_prefill(layer, projected)  # its first layout is the autotuners' first call
             return
         spec = f"1x{pl.CHUNK}"  # vLLM's _warmup_ssd_kernels: one chunk
     S, L, resumed = pl.parse_layout(spec)
@@ -114,9 +113,9 @@ def main():
     impls = args.impls.split(",")
     holder = [None]
     if "plugin" in impls:
-        from vllm_mamba2_plugin.kernels import cuda as ck
+        from vllm_mamba2_plugin.kernels.cuda import upstream
 
-        ck._kernels()  # imports mamba-ssm and installs the plugin's launch path and config lists
+        upstream.kernels()  # imports mamba-ssm and installs the plugin's launch path and config lists
     variants = [(impl, cfg) for impl in impls for cfg in (args.configs.split(",") if impl == "plugin" else ["-"])]
     with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
         for model in args.models.split(","):

@@ -90,8 +90,9 @@ def main() -> None:
     ap.add_argument("--state-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     from vllm_mamba2_plugin.kernels import cuda, reference
+    from vllm_mamba2_plugin.kernels.cuda import decode_step, upstream
 
-    cuda._KERNELS = load_kernels()  # only the state-update entry points are used here
+    upstream._KERNELS = load_kernels()  # only the state-update entry points are used here
     dev = torch.device("cuda")
     state_dtype = getattr(torch, args.state_dtype)
     out_f = open(args.out, "a") if args.out else None
@@ -114,7 +115,7 @@ def main() -> None:
             up_pool = pool0.clone()
             y_up = cuda.ssm_state_update(up_pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True)
             base_us = None
-            default = cuda.ssu_launch_config(bs, H, P, N, state_dtype)
+            default = decode_step.ssu_launch_config(bs, H, P, N, state_dtype)
             default_label = f"default: table {default}" if default else "default: upstream wrapper (4, 4)"
             for cfg in CANDIDATES:
                 pool = pool0.clone()

@@ -8,7 +8,7 @@
 #
 # Planning (H200, 10-minute calls; a call costs its wall time plus ~60-90 s of start-up and transfers):
 # setup 45-60 s (110 s when causal-conv1d is built); tests/kernels with MAMBA_DETERMINISTIC=1 ~200 s; each engine
-# test of tests/gpu 15-200 s (the first one in a process pays the compiles); tests/kernels/test_serving_steps.py
+# test of tests/gpu 15-200 s (the first one in a process pays the compiles); tests/kernels/cuda/test_serving_steps.py
 # 20-120 s; scripts/serve_load.py with the tiny serving model: 45-160 s of server start-up (autotuning on a cold
 # cache) plus ~10 s of load; a throughput.py cell pair 250-400 s. Run fp32 engine tests with MAMBA_DETERMINISTIC=1:
 # otherwise every warm-up layout is autotuned and one engine test can take minutes.

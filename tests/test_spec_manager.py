@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from vllm_mamba2_plugin.manager import Mamba2StateManager
-from vllm_mamba2_plugin.mixer import state_shapes
-from vllm_mamba2_plugin.spec import Mamba2StateSpec
+from vllm_mamba2_plugin.spec import Mamba2StateSpec, state_shapes
 
 
 def _spec(**kw):
-    shapes = state_shapes(conv_kernel=4, conv_dim=160, num_heads=8, head_dim=16, state_size=16)
+    shapes = state_shapes(SimpleNamespace(conv_kernel=4, num_heads=8, head_dim=16, n_groups=1, state_size=16))
     return Mamba2StateSpec(shapes=shapes, dtypes=(torch.bfloat16, torch.float32), block_size=512, **kw)
 
 

@@ -25,6 +25,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: F401
 from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: F401
 from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: F401
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: F401
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,

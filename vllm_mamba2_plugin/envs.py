@@ -13,15 +13,15 @@ VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUD
                               reference elsewhere. "reference": the reference everywhere (debugging, oracles).
 VLLM_MAMBA2_PLUGIN_FAST_LAUNCH
                               "1" (default): mamba-ssm's autotuned SSD kernels are launched with their tuned
-                              config without Triton's per-call autotuner bookkeeping (kernels/triton_launch.py).
+                              config without Triton's per-call autotuner bookkeeping (kernels/cuda/triton_launch.py).
                               "0": every launch goes through Triton's Autotuner.run.
 VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH
                               "1" (default): under the fast launch, a kernel already compiled for a call's
                               specialisation is launched directly, without JITFunction.run's per-call binding
-                              and cache-key work (kernels/triton_launch.py, DirectLaunch). "0": JITFunction.run.
+                              and cache-key work (kernels/cuda/triton_launch.py, DirectLaunch). "0": JITFunction.run.
 VLLM_MAMBA2_PLUGIN_SSD_CONFIGS
                               "extended" (default): mamba-ssm's SSD autotuners also try the configs of vLLM's
-                              copies of those kernels (kernels/triton_launch.py). "upstream": mamba-ssm's lists.
+                              copies of those kernels (kernels/cuda/triton_launch.py). "upstream": mamba-ssm's lists.
 """
 
 import os

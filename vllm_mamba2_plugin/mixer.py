@@ -20,25 +20,14 @@ from torch import nn
 
 from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
-from .kernels import get_kernels, reference
+from .kernels import get_kernels
 from .kernels.reference import row_range
-from .spec import Mamba2StateSpec
+from .spec import Mamba2StateSpec, conv_dim, state_shapes
 
 OP_NAME = "mamba2_plugin_mixer"
 
 
-def state_shapes(conv_kernel, conv_dim, num_heads, head_dim, state_size):
-    """(conv state, ssm state) shapes of one slot: ((W-1, conv_dim), (H, P, N))."""
-    return (conv_kernel - 1, conv_dim), (num_heads, head_dim, state_size)
-
-
 class Mamba2Mixer(compat.MambaBase, nn.Module):
-    # Decode-kernel signatures already compiled in this process (see _warm_decode_kernels). Keyed by what the
-    # Triton kernels specialise on, not one flag per process: two engines of different shapes or state dtypes
-    # in one process (tests, notebooks) each need their own compile before their captures.
-    _warm_decode_signatures: set = set()
-    _warm_prefill_signatures: set = set()
-
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
         self.prefix = prefix
@@ -49,7 +38,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.state_size = config.state_size
         self.conv_kernel = config.conv_kernel
         self.d_inner = self.num_heads * self.head_dim
-        self.conv_dim = self.d_inner + 2 * self.n_groups * self.state_size
+        self.conv_dim = conv_dim(config)
+        self._state_shapes = state_shapes(config)
         self.norm_eps = config.layer_norm_epsilon
         self.norm_group_size = self.d_inner // self.n_groups
         self.chunk_size = int(config.chunk_size)
@@ -85,7 +75,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     # ---- MambaBase: what state this layer needs ------------------------------------------------------
     def get_state_shape(self):
-        return state_shapes(self.conv_kernel, self.conv_dim, self.num_heads, self.head_dim, self.state_size)
+        return self._state_shapes
 
     def get_state_dtype(self):
         return compat.state_dtypes(self.model_config, self.cache_config)
@@ -119,12 +109,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         meta = compat.layer_metadata(self.prefix)
         if meta is None:
             # Profile / dummy run: no requests, no state. Only the output shape matters. On CUDA the first
-            # profile run also compiles and autotunes the kernels, before the state pools take the memory
-            # (not with VLLM_MAMBA2_PLUGIN_KERNELS=reference: nothing to compile).
-            if projected.is_cuda and get_kernels(projected.device) is not reference:
-                self._warm_prefill_kernels(projected)
-                if envs.full_decode_graphs():
-                    self._warm_decode_kernels(projected)
+            # profile run also compiles and autotunes the kernels, before the state pools take the memory.
+            get_kernels(projected.device).warm_up(self, projected, decode_graphs=envs.full_decode_graphs())
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
@@ -206,94 +192,18 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
                                 self.norm_group_size, out=out)
 
-    def _scratch_pools(self, num_slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed (conv, ssm) state pools of ``num_slots`` slots, shaped and typed as vLLM allocates this layer's,
-        for the kernel warm-ups."""
+    # ---- packed blocks on given pools: the kernel warm-up (kernels/cuda/warmup.py) and the tests -------------
+    def scratch_pools(self, num_slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed (conv, ssm) state pools of ``num_slots`` slots, shaped and typed as vLLM allocates this layer's."""
         return tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=dev)
                      for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
 
-    def _warm_prefill_layouts(self, max_rerun: int, tokens: int = 0):
-        """(sequence lengths, resumes-a-state flags) of the packed batches ``_warm_prefill_kernels`` runs.
-
-        First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: three
-        layouts filling it, one per call signature of the SSD kernels. mamba-ssm's SSD kernels are autotuned once
-        per key of head, state and chunk sizes -- not length -- and tensor dtypes (an argument given or None
-        counts), on the arguments of that signature's first call, and that choice then serves every step;
-        tuned on two chunks, ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the
-        GPU time is (H200, 2.7b: 111 vs 86 us per layer). So: two fresh prompts (the
-        packed call), a resumed first sequence ending inside chunk 0 (state passing with an initial state; the
-        varlen final-state kernel) and a resumed second sequence (its rerun: the kernels without seq_idx). The
-        H200's autotuning files showed the rerun signatures tuned on small layouts taking tiles 1.1-1.4x slower
-        on a full step. Their intermediates are allocated inside the profile
-        run that sizes the state pools, as a real step of that size allocates them.
-
-        Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
-        (== 1, a multiple of 16, other) and pointer alignments. In the SSD kernels the integers that change from
-        step to step are the packed length T, the chunk count and strides that are multiples of T (T * heads,
-        T * projection width, ...), so the specialisation of a step is fixed by (chunk count: 1 / 16k / other)
-        x (T mod 16: 0 / 8 / 4 / 2 / 1 decide which multiples of T are divisible by 16) x (path: one fresh
-        prompt (final states from state passing), fresh prompts with a boundary inside a chunk (the varlen
-        final-state kernel), a resumed first sequence ending inside chunk 0 or on a chunk boundary (the packed
-        call's own initial state)). The chunk count reaches 16 only in steps of more than 15 chunks, so that
-        class is warmed only when the budget allows such steps (T = 15 chunks + 16..24 tokens). (On the H200 the
-        JIT monitor saw ``_state_passing_fwd_kernel`` compile at the first requests of 2.7b runs: steps of
-        8 159-8 190 tokens, 32 chunks, against warm-up layouts of at most two chunks.)
-
-        Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer),
-        up to ``SEPARATE_RESUMED_MAX`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the
-        batched correction)."""
-        cs, reruns, many = self.chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
-        layouts = [
-            ([tokens // 2, tokens - tokens // 2], [False, False]),  # the packed call (seq_idx, no initial state)
-            ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
-            ([1, tokens - 1], [False, True]),  # a rerun: the kernels without seq_idx, with an initial state
-        ] if tokens > 2 * cs else []
-        for chunks in [1, 2] + ([16] if tokens >= 15 * cs + 32 else []):
-            for residue in (0, 8, 4, 2, 1):
-                T = (chunks - 1) * cs + 16 + residue  # chunk_size is a multiple of 16 (64, 128, 256 in practice)
-                cut = T // 2 if (T // 2) % cs else T // 2 - 1  # a boundary inside a chunk
-                first = min(37, T - 1)
-                layouts += [([T], [False]), ([cut, T - cut], [False, False]), ([first, T - first], [True, False])]
-                if chunks > 1:
-                    layouts.append(([cs, T - cs], [True, False]))  # resumed first sequence ending on a chunk
-        return layouts + [
-            ([1], [False]),
-            ([1], [True]),
-            ([cs + 5, 2], [False, False]),
-            (reruns + [cs], [True] * len(reruns) + [False]),
-            ([20] * many, [True] * many),
-        ]
-
-    def _warm_prefill_kernels(self, projected: torch.Tensor) -> None:
-        """Compile and autotune the prefill kernels in the profile run, as vLLM's in-tree Mamba2 does (its
-        ``_warmup_ssd_kernels``). mamba-ssm's SSD kernels are autotuned per (chunk size, head dim, state size,
-        tensor dtypes, which optional tensors are given): without this the first real prefill of a process pays
-        for it -- on the H200 the first mixed step of a 7b-shape run took 29.6 s (benchmarks/RESULTS.md) -- and the
-        autotuner's trial runs would need memory the state pools have taken by then. Runs once per process and
-        layer signature, on scratch pools, through the same ``_prefill_step`` as real steps."""
-        conv_dtype, ssm_dtype = self.get_state_dtype()
-        sig = (str(projected.device), projected.dtype, projected.shape[-1], conv_dtype, ssm_dtype, self.num_heads,
-               self.head_dim, self.n_groups, self.state_size, self.conv_kernel, self.chunk_size,
-               self.conv1d.bias is not None, self.dt_limit)
-        if sig in Mamba2Mixer._warm_prefill_signatures:
-            return
-        k = get_kernels(projected.device)
-        dev = projected.device
-        layouts = self._warm_prefill_layouts(k.SEPARATE_RESUMED_MAX, projected.shape[0])
-        num_slots = 1 + max(len(lengths) for lengths, _ in layouts)
-        conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
-        for lengths, resumed in layouts:
-            self._run_prefill_layout(k, projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
-                                     conv_pool, ssm_pool)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        Mamba2Mixer._warm_prefill_signatures.add(sig)
-
-    def _run_prefill_layout(self, k, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1):
+    def run_prefill_block(self, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1, kernels=None):
         """One packed prefill block through the real prefill path and its gated norm: ``rows`` (sum(lengths),
         projection width) of projection outputs, sequences of ``lengths`` in slots first_slot, first_slot + 1, ...,
         each resuming its slot's state where ``resumed`` says so. Returns the normed output (sum(lengths),
-        d_inner); the warm-ups throw it away."""
+        d_inner). kernels: the kernel module (default: the device's)."""
+        k = kernels or get_kernels(rows.device)
         cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
         T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
         z, xBC, dt = self._split_projection(rows)
@@ -303,30 +213,13 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                                bool(flags.any()), plan)
         return self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
 
-    def _warm_decode_kernels(self, projected: torch.Tensor) -> None:
-        """Compile the decode-path kernels before vLLM captures FULL decode graphs (a Triton JIT compile
-        must not happen inside a capture) or serves its first steps. Runs once per process and layer signature,
-        in the profile run, on scratch state laid out like the real inputs (slices of a projection). The batch
-        sizes (``cuda.ssu_warm_batches``) cover Triton's integer specialisations (== 1, other, multiple of 16)
-        under every state-update launch that ``cuda.ssu_launch_config`` can pick for this layer; rows share the
-        16 scratch slots (what they compute is thrown away)."""
-        sig = (str(projected.device), projected.dtype, projected.shape[-1], *self.get_state_dtype(),
-               self.num_heads, self.head_dim, self.n_groups, self.state_size, self.conv_kernel,
-               self.conv1d.bias is not None, self.dt_limit_is_noop)
-        if sig in Mamba2Mixer._warm_decode_signatures:
-            return
-        k = get_kernels(projected.device)
-        dev = projected.device
-        num_slots = 17  # slot 0 stays untouched, rows cycle through 1..16
-        conv_pool, ssm_pool = self._scratch_pools(num_slots, dev)
-        for bs in k.ssu_warm_batches(self.num_heads, self.head_dim, self.state_size, self.get_state_dtype()[1]):
-            z, xBC, dt = self._split_projection(projected.new_zeros(bs, projected.shape[-1]))
-            slots = torch.arange(bs, device=dev) % (num_slots - 1) + 1
-            y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
-            self._gated_norm(k, y, z, out=projected.new_empty(bs, self.d_inner))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        Mamba2Mixer._warm_decode_signatures.add(sig)
+    def run_decode_rows(self, rows, slots, conv_pool, ssm_pool):
+        """One decode step of ``rows`` (B, projection width) of projection outputs on the states in ``slots``
+        (B,) through the real decode path and its gated norm. Returns the normed output (B, d_inner)."""
+        k = get_kernels(rows.device)
+        z, xBC, dt = self._split_projection(rows)
+        y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
+        return self._gated_norm(k, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

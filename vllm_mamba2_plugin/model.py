@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from . import compat
-from .mixer import Mamba2Mixer, state_shapes
+from .mixer import Mamba2Mixer
+from .spec import state_shapes
 from .validation import ERROR_PREFIX, check_hf_config
 
 
@@ -64,16 +65,10 @@ class Mamba2Backbone(nn.Module):
         return hidden_states
 
 
-def _state_shapes_from_config(vllm_config):
-    c = vllm_config.model_config.hf_config
-    conv_dim = c.num_heads * c.head_dim + 2 * c.n_groups * c.state_size
-    return state_shapes(c.conv_kernel, conv_dim, c.num_heads, c.head_dim, c.state_size)
-
-
 class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentionFree):
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):
-        return _state_shapes_from_config(vllm_config)
+        return state_shapes(vllm_config.model_config.hf_config)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config):
@@ -134,19 +129,18 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
                 continue
             if ckpt_name.endswith("A_log"):
                 tensor = -torch.exp(tensor.float())
+            # vLLM's loaders: the vocab-parallel layers' own (they pad the vocab dimension), else its default copy.
             loader = getattr(param, "weight_loader", None)
-            if loader is not None:  # vLLM's vocab-parallel layers pad the vocab dimension
-                if tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:] or \
-                        tensor.shape[0] > param.shape[0]:
-                    bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-                    continue
-                loader(param, tensor)
+            if loader is not None:
+                fits = tensor.dim() == param.dim() and tensor.shape[1:] == param.shape[1:] and \
+                    tensor.shape[0] <= param.shape[0]
             else:
-                if tensor.shape != param.shape:
-                    bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-                    continue
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
+                loader, fits = compat.default_weight_loader, tensor.shape == param.shape
+            if not fits:
+                bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+                continue
+            with torch.no_grad():
+                loader(param, tensor)
             loaded.add(name)
         missing = sorted(n for n in params if n not in loaded
                          and not (self.tie_word_embeddings and n == "lm_head.weight"))

@@ -1,4 +1,4 @@
-"""kernels/triton_launch.py: FastLaunch / FastHeuristics launch exactly what Triton's Autotuner.run /
+"""kernels/cuda/triton_launch.py: FastLaunch / FastHeuristics launch exactly what Triton's Autotuner.run /
 Heuristics.run launch.
 
 CPU tests drive a real ``triton.runtime.autotuner.Autotuner`` / ``Heuristics`` (the installed Triton) around a
@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from vllm_mamba2_plugin.kernels import triton_launch as tl
+from vllm_mamba2_plugin.kernels.cuda import triton_launch as tl
 
 triton = pytest.importorskip("triton")
 import triton.language as tlang  # noqa: E402
@@ -105,6 +105,40 @@ def test_pre_hook_configs_and_single_configs():
     assert (fast1.fast, fast1.slow) == (1, 0) and jit1.launches[0] == jit1.launches[1]
 
 
+def test_fast_launch_that_never_engages_warns_once(monkeypatch, caplog):
+    """A FastLaunch whose key never finds the autotuner's choice (a Triton whose Autotuner.run keys calls
+    differently) would only make prefill slower: after NEVER_ENGAGED_AFTER misses it says so, once."""
+    monkeypatch.setattr(tl, "NEVER_ENGAGED_AFTER", 3)
+    tuner, _ = make_tuner(CONFIGS())
+    fast = tl.FastLaunch(tuner)
+    monkeypatch.setattr(fast, "key", lambda args, kwargs: ("not", "Triton's key"))
+    x = torch.zeros(2)
+    with caplog.at_level("WARNING"):
+        for _ in range(6):
+            fast[(1,)](x, x, 1, 64, 32, HAS_Y=True)
+    warned = [r.getMessage() for r in caplog.records if "has not engaged" in r.getMessage()]
+    assert (fast.fast, fast.misses) == (0, 6) and len(warned) == 1
+    assert "fast launch of _kernel_fn" in warned[0] and "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(tl, "NEVER_ENGAGED_AFTER", 4)
+    healthy, _ = make_tuner(CONFIGS())  # the usual case: the first call of each key tunes, the next ones hit
+    fast = tl.FastLaunch(healthy)
+    with caplog.at_level("WARNING"):
+        for n in range(6):
+            fast[(1,)](x, x, 1, 64, 32 * (1 + n % 3), HAS_Y=True)
+    assert (fast.fast, fast.misses) == (3, 3) and not caplog.records
+
+
+def test_install_warns_on_a_triton_outside_the_verified_range(fake_mamba, monkeypatch, caplog):
+    monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: False)
+    for version, warns in (("3.6.0", False), ("3.9.1", False), ("3.10.0", True), ("3.5.0", True)):
+        monkeypatch.setattr(triton, "__version__", version)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            tl.install()
+        assert any("outside the range" in r.getMessage() for r in caplog.records) == warns, version
+
+
 def make_heuristics_stack():
     """Three stacked heuristics, the inner ones reading what the outer ones set (as Triton passes them on)."""
     jit = RecordingJIT()
@@ -193,6 +227,19 @@ def test_direct_launch_passes_the_bound_arguments_after_one_jit_launch(direct):
     d.run((1,), (x2,), dict(y_ptr=y2, n=7, stride=3, scale=1.0, extra=5, **kw))
     assert (len(jit_calls), d.direct) == (2, 2)
     assert launches[-1][9:] == _bound_values(d.fn, (x2,), dict(y_ptr=y2, n=7, stride=3, scale=1.0, extra=5, **kw))
+
+
+def test_direct_launch_that_never_engages_warns_once(direct, monkeypatch, caplog):
+    """A DirectLaunch whose every call goes through JITFunction.run (here: every call another specialisation,
+    as with a key that never repeats) says so once after NEVER_ENGAGED_AFTER such launches."""
+    d, _, launches = direct
+    monkeypatch.setattr(tl, "NEVER_ENGAGED_AFTER", 4)
+    x, y = torch.zeros(64), torch.zeros(64)
+    with caplog.at_level("WARNING"):
+        for n in range(8):
+            d.run((1,), (x, y, 100 + n, 16, 0.5), dict(HAS_Y=True, BLOCK=64, num_warps=4))
+    assert (d.jit, d.direct, len(launches)) == (8, 0, 0)
+    assert len([r for r in caplog.records if "direct launch of" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("change", ["n==1", "n%16", "n>int32", "n", "unaligned", "dtype", "none", "constexpr",
@@ -379,8 +426,9 @@ def test_kernels_are_bitwise_the_same_through_both_launch_paths():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("mamba_ssm")
     from vllm_mamba2_plugin.kernels import cuda as ck
+    from vllm_mamba2_plugin.kernels.cuda import decode_step, upstream
 
-    k = ck._kernels()  # installs (the default switches)
+    k = upstream.kernels()  # installs (the default switches)
     placed = tl.install()
     assert all(isinstance(v, (tl.FastLaunch, tl.FastHeuristics)) for v in placed.values()), placed
     assert k.ssu_kernel is placed["_selective_scan_update_kernel"]
@@ -404,7 +452,7 @@ def test_kernels_are_bitwise_the_same_through_both_launch_paths():
         states = pool.clone()
         y_tuned = ck.ssm_state_update(states, xd, dtd, A, Bd, Cd, idx, D=D, dt_bias=dt_bias, dt_softplus=True,
                                       launch=(16, 2))
-        with mock.patch.dict(ck.SSU_LAUNCH_TABLE, clear=True):  # no table entry: mamba-ssm's own wrapper
+        with mock.patch.dict(decode_step.SSU_LAUNCH_TABLE, clear=True):  # no table entry: mamba-ssm's own wrapper
             y_wrapper = ck.ssm_state_update(states, xd, dtd, A, Bd, Cd, idx, D=D, dt_bias=dt_bias,
                                             dt_softplus=True)
         yn = ck.gated_rms_norm(xd.reshape(7, H * P), z, w, 1e-5, group_size=H * P // 8)

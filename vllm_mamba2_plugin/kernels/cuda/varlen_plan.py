@@ -1,6 +1,6 @@
 """Index plans for the CUDA prefill wrappers: built once per engine step, on the host, shipped in one copy.
 
-Every mixer layer of a step runs ``cuda.causal_conv1d`` and ``cuda.ssd_chunk_scan`` on the same packed batch, so
+Every mixer layer of a step runs ``conv.causal_conv1d`` and ``ssd_prefill.ssd_chunk_scan`` on the same packed batch, so
 the index tensors they need (sequence ids, conv row layout, initial-state correction blocks) are the same for
 all layers. Computing them per layer cost ~20 small launches per layer and, worse, host syncs: the SSD kernels
 need sequence bounds on the host (``.tolist()`` of a device tensor waits for the GPU), and a host-to-device copy
@@ -8,7 +8,7 @@ from pageable memory synchronises the stream too. A plan is computed from the ru
 bounds (free: the scheduler produced them) and uploaded with ONE non-blocking copy from pinned memory, so the
 prefill path of a step has no host sync at all.
 
-Notation as in ``reference.py`` / ``cuda.py``: S sequences with bounds ``cu`` (S+1), T tokens in x (tokens at
+Notation as in ``reference.py`` / ``ssd_prefill.py``: S sequences with bounds ``cu`` (S+1), T tokens in x (tokens at
 and after cu[S] are padding), K = W-1 conv state rows, Tu = cu[S]-cu[0] tokens sent to the SSD kernel,
 S' = the non-empty sequences.
 """
@@ -21,10 +21,15 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+# At most this many resumed sequences in a step are rerun one by one (SSD scan and conv); more take the batched
+# initial-state correction. One rerun is ~6 kernel launches of host time, the correction ~40 small ones. (A lone
+# resumed sequence that opens the batch needs neither: ``VarlenPlan.native_first``.)
+SEPARATE_RESUMED_MAX = 3
+
 
 @dataclass
 class ConvPlan:
-    """Layouts of ``cuda.causal_conv1d`` (see its docstring) for conv state width K.
+    """Layouts of ``conv.causal_conv1d`` (see its docstring) for conv state width K.
 
     In place (x read directly): only ``last_row``. The extended buffer (E = T + S*K rows) needs the four row
     tensors below; they are built with the plan when the step cannot be read in place, and otherwise only on
@@ -44,7 +49,7 @@ class ConvPlan:
 
 @dataclass
 class InitCorrectionPlan:
-    """Token blocks of ``cuda._add_initial_state`` for the sequences that carry an initial state."""
+    """Token blocks of ``ssd_prefill.add_initial_state`` for the sequences that carry an initial state."""
 
     block: int  # tokens per block (a power of two <= the SSD chunk size)
     tok_start: torch.Tensor  # (Tu,) long: first token of each token's sequence (relative to cu[0])
@@ -69,7 +74,7 @@ class VarlenPlan:
     seq_idx_row: torch.Tensor  # (1, Tu) view of seq_idx: the kernels' one batch row, made once per step
     nonempty_dev: torch.Tensor  # (S',) long
     # (S'-1,) long: when every non-empty sequence but the last ends on an SSD chunk boundary (relative to cu[0]),
-    # the chunk whose entering state is each one's final state; None otherwise (see cuda.ssd_chunk_scan)
+    # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
@@ -83,6 +88,17 @@ class VarlenPlan:
     def resumed(self) -> List[int]:
         """The non-empty sequences that start from a saved state (host)."""
         return [s for s in self.nonempty if self.init_flags[s]]
+
+    def native_first(self, has_states: bool) -> bool:
+        """The only sequence that resumes a state is the first non-empty one of the packed batch: the kernels'
+        own initial state (per batch row, which with seq_idx reaches exactly the row's first sequence) serves
+        it. has_states: the caller passed initial states at all."""
+        return has_states and self.resumed == self.nonempty[:1] != []
+
+    def reruns_resumed(self) -> bool:
+        """Resumed sequences are rerun one by one (at most ``SEPARATE_RESUMED_MAX`` of them), else corrected
+        in one batch (``ssd_prefill.add_initial_state``, the conv's extended buffer)."""
+        return len(self.resumed) <= SEPARATE_RESUMED_MAX
 
 
 def _upload(host: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
@@ -123,14 +139,7 @@ def build_plan(
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
     if S > 0 and cu[-1] > num_tokens:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but x has only {num_tokens} tokens")
-    if not have_initial_states:
-        flags = [False] * S
-    elif has_initial_state is None:
-        flags = [True] * S
-    else:
-        flags = [bool(v) for v in has_initial_state.reshape(-1).tolist()]
-        if len(flags) != S:
-            raise ValueError(f"has_initial_state has {len(flags)} entries for {S} sequences")
+    flags = _init_flags(has_initial_state, have_initial_states, S)
 
     lo = cu[0] if S > 0 else 0
     ne = [s for s in range(S) if cu[s + 1] > cu[s]]
@@ -138,39 +147,17 @@ def build_plan(
     # Token-sized host arrays in numpy: torch's CPU repeat_interleave runs a parallel loop over the sequences
     # (grain 1), and waking the intra-op threads cost ~2.6 ms per call on the H200 machine's host (cProfile of the
     # metadata build, benchmarks/RESULTS.md); numpy stays on the calling thread (~5 us here).
-    Tu = cu_k[-1]
     cu_k_np = np.asarray(cu_k, dtype=np.int64)
     seq_idx_np = np.repeat(np.arange(len(ne), dtype=np.int64), np.diff(cu_k_np))
-    cu_k_t = torch.from_numpy(cu_k_np)
     host = {
-        "cu_k": cu_k_t,
+        "cu_k": torch.from_numpy(cu_k_np),
         "seq_idx": torch.from_numpy(seq_idx_np),
         "nonempty": torch.tensor(ne, dtype=torch.long),
     }
-
     if ne and all(e % chunk_size == 0 for e in cu_k[1:-1]):
         host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
-
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
-    if init_pos:
-        pos_t = torch.tensor(init_pos)
-        starts, ends = cu_k_t[pos_t], cu_k_t[pos_t + 1]
-        lens = (ends - starts).tolist()
-        # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
-        blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
-        nblk = [(n + blk - 1) // blk for n in lens]
-        b_seq = torch.from_numpy(np.repeat(np.arange(len(init_pos), dtype=np.int64), nblk))
-        first = torch.tensor([0] + nblk[:-1]).cumsum(0)
-        b_k = torch.arange(len(b_seq)) - first[b_seq]
-        tok = starts[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
-        tok = torch.where(tok < ends[b_seq, None], tok, torch.full_like(tok, Tu))
-        host.update({
-            "i_tok_start": torch.from_numpy(cu_k_np[seq_idx_np]),
-            "i_start": starts, "i_end": ends,
-            "i_pos": pos_t, "i_rows": host["nonempty"][pos_t],
-            "i_tok": tok, "i_b_seq": b_seq,
-        })
-
+    blk = _correction_host(host, cu_k_np, seq_idx_np, init_pos, chunk_size) if init_pos else 0
     in_place = {}
     for W in conv_widths:
         K = W - 1
@@ -198,6 +185,42 @@ def build_plan(
             _set_ext(cp, {k: dev[f"c{K}_{k}"] for k in ("tok_row", "state_row", "seq_idx", "final_row")})
         plan.conv[K] = cp
     return plan
+
+
+def _init_flags(has_initial_state: Optional[torch.Tensor], have_initial_states: bool, S: int) -> List[bool]:
+    """Per sequence: does it start from a saved state (None: all do, when initial states are given)."""
+    if not have_initial_states:
+        return [False] * S
+    if has_initial_state is None:
+        return [True] * S
+    flags = [bool(v) for v in has_initial_state.reshape(-1).tolist()]
+    if len(flags) != S:
+        raise ValueError(f"has_initial_state has {len(flags)} entries for {S} sequences")
+    return flags
+
+
+def _correction_host(host: Dict[str, torch.Tensor], cu_k_np, seq_idx_np, init_pos: List[int], chunk_size: int) -> int:
+    """The host tensors of the ``InitCorrectionPlan`` of the non-empty sequences at positions init_pos, added
+    to host as "i_*"; returns the block length."""
+    Tu = int(cu_k_np[-1])
+    pos_t = torch.tensor(init_pos)
+    starts, ends = host["cu_k"][pos_t], host["cu_k"][pos_t + 1]
+    lens = (ends - starts).tolist()
+    # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
+    blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
+    nblk = [(n + blk - 1) // blk for n in lens]
+    b_seq = torch.from_numpy(np.repeat(np.arange(len(init_pos), dtype=np.int64), nblk))
+    first = torch.tensor([0] + nblk[:-1]).cumsum(0)
+    b_k = torch.arange(len(b_seq)) - first[b_seq]
+    tok = starts[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
+    tok = torch.where(tok < ends[b_seq, None], tok, torch.full_like(tok, Tu))
+    host.update({
+        "i_tok_start": torch.from_numpy(cu_k_np[seq_idx_np]),
+        "i_start": starts, "i_end": ends,
+        "i_pos": pos_t, "i_rows": host["nonempty"][pos_t],
+        "i_tok": tok, "i_b_seq": b_seq,
+    })
+    return blk
 
 
 def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:

@@ -1,48 +1,52 @@
-"""mamba-ssm's Triton kernels: a cheaper launch, and vLLM's wider SSD tuning space (CUDA path only).
+"""Patch list: mamba-ssm's Triton kernels launched without Triton's per-call work, over vLLM's SSD configs.
 
-``install()`` runs once, from ``cuda._kernels()`` (lazily, at the first CUDA kernel call; never at import). It
-leaves the kernels' code untouched and changes three things around them:
+CUDA path only. ``install()`` runs once, from ``upstream.kernels()`` (at the first CUDA kernel call; never at
+import). The kernels' code is untouched; what changes is how they are launched and which configs their
+autotuners benchmark. Switches (envs.py): VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 (patches 1-3 off),
+VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0 (patch 3 off), VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream (patch 4 off).
 
-* **Launch without the autotuner's per-call bookkeeping** (``FastLaunch``). Every launch of an autotuned kernel
-  goes through Triton's ``Autotuner.run``, which on every call rebuilds the argument dicts (with a list
-  membership test per argument), the tuning key (``str(dtype)`` of every tensor argument) and the chosen config's
-  kwargs: ~45 µs per launch under cProfile on the H200's host, six launches per layer of every prefill step, and
-  prefill steps are host-bound (benchmarks/RESULTS.md). ``FastLaunch`` takes the autotuner's place
-  at mamba-ssm's call sites (the module globals that its wrappers look up at call time). It builds the same key
-  from precomputed argument positions, takes the autotuner's own choice for it (``Autotuner.cache``), and calls
-  the JIT function with that config the way ``Autotuner.run`` does (triton 3.6 runtime/autotuner.py:
-  ``self.fn.run(*args, **kwargs, **config.all_kwargs())``, after ``self.best_config = config``). What it does not
-  mirror still goes through the autotuner: the first call of a key (tuning, Triton's disk cache), and configs
-  with a pre_hook. The kernels, configs and launches stay the same. ``FastHeuristics`` does the same for the
-  state-update and gated-norm kernels, which are stacks of ``@triton.heuristics`` (one argument dict per stacked
-  heuristic in Triton, one in all here).
-* **vLLM's config lists** (``EXTRA_CONFIGS``). vLLM 0.26 ships its own copies of these kernels. Their autotune
-  lists add configs that mamba-ssm 2.3.2's lists lack: 12 for ``_chunk_scan_fwd_kernel``, 5 for
-  ``_chunk_state_fwd_kernel``. Among them is the config that vLLM's chunk scan picks on the H200 at the 2.7b shape
-  ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer, against 237 µs for mamba-ssm's choice; RESULTS.md).
-  ``install`` appends them to mamba-ssm's lists, so its autotuner also benchmarks them and keeps the
-  fastest by its own measurement. This is skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 without
-  TRITON_CACHE_AUTOTUNING=1), which pins one config per kernel on purpose.
-* **Launch compiled kernels directly** (``DirectLaunch``, under FastLaunch / FastHeuristics). Even with the
-  autotuner's bookkeeping gone, ``JITFunction.run`` binds and specialises every argument (~40 per SSD kernel),
-  builds its cache key (``str(options)`` of the compile options on every call) and then calls the compiled
-  kernel's launcher. On the H200, in a 2.7b prefill step (two 4 096-token prompts), that Python work ran ahead of
-  each of a layer's six Triton launches for 70-130 µs under the profiler, and the plugin's steps were host-bound:
-  131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md).
-  ``DirectLaunch`` keys each call on at least what Triton specialises on -- every argument's type, each
-  tensor's dtype and address modulo 16, the exact value of every integer, bool, constexpr and compile option
-  (Triton reads only an integer's class: == 1, multiple of 16, 32/64-bit), the current device -- and after a
-  first launch of a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it launches that
-  compiled kernel itself, with the arguments in the order ``JITFunction.run`` passes them (the launcher call
-  ``_LAUNCH_CALL``; a Triton whose ``JITFunction.run`` does not make that call gets no DirectLaunch). Keying
-  integers by value costs one ``JITFunction.run`` per new step shape (sequence lengths enter as sizes and strides)
-  and kernel, in the step's first layer; the other layers launch directly. Anything it does not mirror goes
-  through ``JITFunction.run``: launch hooks set (profilers such as proton), pre-run hooks, an argument of another
-  type (tuples, descriptors), the first call of a key.
+**Verified versions**: Triton 3.6.0 with mamba-ssm 2.3.2.post1 on the H200 (torch 2.11+cu130; the kernels'
+outputs are bit-identical through both launch paths: tests/kernels/cuda/test_triton_launch.py, gpu) and Triton
+3.9.0 on the CPU (the same tests against Triton's own ``Autotuner.run`` / ``Heuristics.run`` and ``JITFunction``
+source). The ``cuda`` extra pins ``triton<3.10``; ``install()`` warns on a Triton outside ``TESTED_TRITON``.
+Every patch checks what it reads of Triton and steps aside (Triton's own path, logged) where that differs, and
+``FastLaunch`` / ``DirectLaunch`` warn if they never engage (``NEVER_ENGAGED_AFTER``): a changed key or
+protocol would otherwise only make prefill silently slower.
 
-Switches (envs.py): VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 keeps Triton's launch path,
-VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0 keeps ``JITFunction.run`` under FastLaunch / FastHeuristics, and
-VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream keeps mamba-ssm's config lists.
+1. **FastLaunch** -- replaces the ``Autotuner`` objects of mamba-ssm's SSD forward kernels at their call sites
+   (the module globals of ``FORWARD_KERNELS``, which mamba-ssm's wrappers look up at call time).
+   *Why*: every launch through ``Autotuner.run`` rebuilds the argument dicts (a list membership test per
+   argument), the tuning key (``str(dtype)`` of every tensor) and the chosen config's kwargs: ~45 µs per launch
+   under cProfile on the H200's host, six launches per layer of every prefill step, and prefill steps are
+   host-bound (benchmarks/RESULTS.md). *What*: the same key from precomputed argument positions, the
+   autotuner's own choice for it (``Autotuner.cache``), and the JIT function called with that config as
+   ``Autotuner.run`` calls it (triton 3.6 runtime/autotuner.py: ``self.fn.run(*args, **kwargs,
+   **config.all_kwargs())`` after ``self.best_config = config``). The first call of a key (tuning, Triton's disk
+   cache) and configs with a pre_hook still go through the autotuner.
+   *Delete when*: Triton's autotuner launch costs a few µs (or mamba-ssm stops autotuning at every call).
+2. **FastHeuristics** -- the same for the state-update and gated-norm kernels (``HEURISTIC_KERNELS``), stacks
+   of ``@triton.heuristics``. *Why*: ``Heuristics.run`` builds one argument dict per stacked heuristic
+   (five of ~45 entries per state-update launch), once per layer of every eager decode step and mixed step.
+   *What*: the same heuristics, in the same order, on ONE dict. *Delete when*: as 1.
+3. **DirectLaunch** -- under 1 and 2, launches the compiled kernel itself. *Why*: ``JITFunction.run`` binds
+   and specialises every argument (~40 per SSD kernel) and builds its cache key (``str(options)``) on every
+   call: on the H200, in a 2.7b prefill step, 70-130 µs of Python ahead of each of a layer's six launches,
+   131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md). *What*: each call is keyed
+   on at least what Triton specialises on (every argument's type, each tensor's dtype and address modulo 16,
+   the exact value of every integer, bool, constexpr and compile option, the device); after a first launch of
+   a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it calls that kernel's launcher with
+   the arguments in the order ``JITFunction.run`` passes them (``_LAUNCH_CALL``: a Triton whose
+   ``JITFunction.run`` does not make that call gets no DirectLaunch). Launch hooks (profilers such as proton),
+   pre-run hooks and argument types it does not mirror go through ``JITFunction.run``. Integers keyed by value
+   cost one ``JITFunction.run`` per new step shape and kernel, in the step's first layer.
+   *Delete when*: Triton's ``JITFunction.run`` has a cheap path for repeated specialisations.
+4. **EXTRA_CONFIGS** -- appends to mamba-ssm 2.3.2's autotune lists the configs of vLLM 0.26's copies of these
+   kernels that they lack (12 for ``_chunk_scan_fwd_kernel``, 5 for ``_chunk_state_fwd_kernel``); the
+   autotuner still keeps the fastest by its own measurement. *Why*: among them is the config vLLM's chunk scan
+   picks on the H200 at the 2.7b shape ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer against 237 µs for
+   mamba-ssm's choice; RESULTS.md). Skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 without
+   TRITON_CACHE_AUTOTUNING=1), which pins one config per kernel on purpose.
+   *Delete when*: mamba-ssm's lists contain them.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from typing import Dict, List, Tuple
 
 logger = logging.getLogger(__name__)
 
-# The SSD forward kernels that cuda.ssd_chunk_scan reaches through _mamba_chunk_scan_combined_fwd, by module.
+# The SSD forward kernels that ssd_prefill.ssd_chunk_scan reaches through _mamba_chunk_scan_combined_fwd, by module.
 FORWARD_KERNELS: Dict[str, Tuple[str, ...]] = {
     "mamba_ssm.ops.triton.ssd_chunk_state": ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel",
                                              "_chunk_state_varlen_kernel"),
@@ -85,6 +89,14 @@ EXTRA_CONFIGS: Dict[str, List[Tuple[int, int, int, int, int]]] = {
     ],
 }
 
+# Triton (major, minor) versions these patches were verified with (module doc).
+TESTED_TRITON = ((3, 6), (3, 9))
+# A FastLaunch that has missed the autotuner's cache this many times without one fast launch, or a DirectLaunch
+# that has gone through JITFunction.run this many times without one direct launch, warns once: its key or
+# protocol no longer matches this Triton's (each miss is a new tuning key or specialisation; in a healthy
+# process the same keys soon come back).
+NEVER_ENGAGED_AFTER = 256
+
 _DTYPE_STR: Dict[object, str] = {}
 
 _UNSET = object()
@@ -100,6 +112,20 @@ DIRECT_CACHE_MAX = 4096
 _LAUNCH_CALL = ("kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,kernel.packed_metadata,launch_metadata,"
                 "knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,*bound_args.values())")
 _PROTOCOL: Dict[type, bool] = {}
+
+
+def _name(jit_fn) -> str:
+    """A JIT function's kernel name (JITFunction copies its Python function's ``__name__``)."""
+    return getattr(jit_fn, "__name__", None) or getattr(getattr(jit_fn, "fn", None), "__name__", repr(jit_fn))
+
+
+def _warn_never_engaged(what: str, name: str, misses: int) -> None:
+    import triton
+
+    logger.warning("vllm_mamba2_plugin: the %s of %s has not engaged in %d launches (Triton %s; verified: %s): "
+                   "its key or launch protocol does not match this Triton's, and prefill runs slower than it "
+                   "should (results are unaffected). VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 turns it off.", what, name,
+                   misses, triton.__version__, ", ".join("%d.%d" % v for v in TESTED_TRITON))
 
 
 def _launches_as_mirrored(jit_cls: type) -> bool:
@@ -224,6 +250,8 @@ class DirectLaunch:
 
     def _jit(self, grid, args, kwargs):
         self.jit += 1
+        if self.jit == NEVER_ENGAGED_AFTER and self.direct == 0:
+            _warn_never_engaged("direct launch", _name(self.fn), self.jit)
         return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
 
     def run(self, grid, args: tuple, kwargs: dict):
@@ -289,6 +317,7 @@ class FastLaunch:
         self._cfg_kwargs: Dict[int, tuple] = {}  # id(config) -> (config, config.all_kwargs())
         self.fast = 0
         self.slow = 0
+        self.misses = 0  # slow launches for want of a cached choice (not for a pre_hook)
         self.direct = None  # a DirectLaunch of the tuner's JIT function (install(direct_launch=True))
 
     def __getitem__(self, grid):
@@ -325,6 +354,10 @@ class FastLaunch:
         cfg = t.cache.get(self.key(args, kwargs)) if len(t.configs) > 1 else t.configs[0]
         if cfg is None or cfg.pre_hook is not None:
             self.slow += 1
+            if cfg is None:
+                self.misses += 1
+                if self.misses == NEVER_ENGAGED_AFTER and self.fast == 0:
+                    _warn_never_engaged("fast launch", _name(t.fn), self.misses)
             return t.run(*args, grid=grid, warmup=False, **kwargs)
         entry = self._cfg_kwargs.get(id(cfg))
         if entry is None or entry[0] is not cfg:
@@ -392,7 +425,7 @@ def unwrap(obj):
 @contextlib.contextmanager
 def triton_own_launch(*namespaces):
     """Within the block, Triton's own Autotuner / Heuristics objects are back at every call site that ``install``
-    gave a FastLaunch / FastHeuristics, and at any such attribute of ``namespaces`` (e.g. ``cuda._kernels()``):
+    gave a FastLaunch / FastHeuristics, and at any such attribute of ``namespaces`` (e.g. ``upstream.kernels()``):
     the launch paths' A/B in one process (tests, benchmarks/prefill_layer.py)."""
     holders = [importlib.import_module(m) for kernels in (FORWARD_KERNELS, HEURISTIC_KERNELS) for m in kernels]
     sites = [(h, name, v) for h in holders + list(namespaces) for name, v in list(vars(h).items())
@@ -454,8 +487,15 @@ def install(fast_launch: bool = True, extra_configs: bool = True, direct_launch:
     update and gated-norm kernels in ``FastHeuristics``; with ``direct_launch`` (and ``fast_launch``) these launch
     compiled kernels through a ``DirectLaunch``. Idempotent. Returns name -> the object now at each call site (a
     FastLaunch / FastHeuristics, or Triton's own object)."""
+    import triton
     from triton.runtime.autotuner import Autotuner, Heuristics
 
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    if fast_launch and not TESTED_TRITON[0] <= version <= TESTED_TRITON[-1]:
+        logger.warning("vllm_mamba2_plugin: Triton %s is outside the range its launch patches were verified in "
+                       "(%d.%d-%d.%d); each patch checks what it reads and steps aside where that differs. "
+                       "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 turns them off.", triton.__version__,
+                       *TESTED_TRITON[0], *TESTED_TRITON[-1])
     extend = extra_configs and not _deterministic_pins_configs()
     if extra_configs and not extend:
         logger.info("vllm_mamba2_plugin: mamba-ssm's deterministic mode pins one config per SSD kernel; "

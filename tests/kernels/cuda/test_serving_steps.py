@@ -13,7 +13,7 @@ Two ways of running a step:
     the runner's dispatch looks at the shape only) is padded to a captured size and replayed, i.e. the decode
     kernels run on the builder's persistent slot buffer, whatever metadata the builder returned.
 
-Backends as in test_cuda.py: "fake" (the CUDA wrappers over plain-torch stand-ins of the upstream kernels, CPU)
+Backends as in conftest.py: "fake" (the CUDA wrappers over plain-torch stand-ins of the upstream kernels, CPU)
 and "cuda" (the real kernels, marked gpu).
 """
 
@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_cuda import _mixer_layer, gen, kern, rnd  # noqa: F401  (kern: the backend fixture)
+from cuda_helpers import kern  # noqa: F401  (fixtures)
+from cuda_helpers import _mixer_layer, gen, rnd
 from vllm_mamba2_plugin import backend as backend_mod
 from vllm_mamba2_plugin import compat
 from vllm_mamba2_plugin import mixer as mixer_mod
@@ -147,7 +148,7 @@ def _run_step(layer, builder, rows, inputs, mode, dev, monkeypatch):
 def _alone(layer, tokens):
     """One request's tokens as one fresh prefill through the reference kernels, on fresh pools."""
     pools = tuple(torch.zeros(2, *shape, device=tokens.device) for shape in layer.get_state_shape())
-    return layer._run_prefill_layout(ref, tokens, [tokens.shape[0]], [False], *pools)
+    return layer.run_prefill_block(tokens, [tokens.shape[0]], [False], *pools, kernels=ref)
 
 
 @pytest.mark.parametrize("mode", ["eager", "full-graph"])
@@ -184,7 +185,7 @@ def test_served_steps_equal_each_request_alone(kern, mode, seed, monkeypatch):
                       "resumed" if 0 < r["done"] < r["prompt"] else "decode" if r["done"] >= r["prompt"] else "x")
         sched.finish(rows)
     assert {"fresh-1", "short", "resumed", "decode"} <= kinds
-    # cuda: mamba-ssm's SSD takes float32 dot products in TF32 (test_cuda.py); over several chunks and resumed
+    # cuda: mamba-ssm's SSD takes float32 dot products in TF32 (cuda_helpers.py); over several chunks and resumed
     # states its outputs drift up to ~5e-3 of their scale (H200). A stale or foreign state is off by O(1), or NaN.
     tol = 1e-2 if kern.name == "cuda" else 1e-4
     bad = []

@@ -1,0 +1,190 @@
+"""Backends, inputs, tolerances and comparisons shared by the CUDA wrappers' tests (tests/kernels/cuda/).
+
+Every test taking the ``kern`` fixture runs twice (test modules import it from here):
+  * "cuda" (marked ``gpu``): the real upstream kernels on a CUDA GPU; skipped cleanly without CUDA or without
+    mamba_ssm / causal_conv1d (nothing here imports them at collection time).
+  * "fake": runs anywhere (CPU CI), the upstream entry points replaced by ``fakes.FAKE_KERNELS``. Only "cuda"
+    checks the kernels themselves.
+
+Tolerances, as max |actual - expected| <= tol * max |expected| (see TOL):
+  * SSD float32: 5e-3. mamba-ssm's Triton SSD kernels use tl.dot with default precision, i.e. TF32 for
+    float32 inputs (10-bit mantissa, ~5e-4 relative per rounding), so float32-exact agreement is impossible.
+  * everything else in float32 (CUDA conv FMAs, elementwise Triton state update, row-wise norm): 1e-4.
+  * bfloat16: outputs are rounded to bf16 (2^-8..2^-7 relative) by both sides, possibly in different
+    directions: 1e-2; SSD in bf16 also casts CB and inter-chunk states to bf16 inside the kernel: 3e-2.
+  * "fake" float32: 1e-4 everywhere (same arithmetic as the reference up to summation order).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fakes import FAKE_KERNELS
+from vllm_mamba2_plugin.kernels import reference as ref
+from vllm_mamba2_plugin.kernels.cuda import conv as conv_mod
+from vllm_mamba2_plugin.kernels.cuda import upstream, varlen_plan
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(params=[pytest.param("fake", id="fake"),
+                        pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def kern(request, monkeypatch):
+    if request.param == "fake":
+        monkeypatch.setattr(upstream, "_KERNELS", FAKE_KERNELS)
+        return SimpleNamespace(name="fake", dev=torch.device("cpu"))
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("mamba_ssm")
+    pytest.importorskip("causal_conv1d")
+    upstream.kernels()  # fail (not skip) if they are installed but do not import
+    # The reference must be float32-exact on the GPU: no TF32 in its einsums.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    return SimpleNamespace(name="cuda", dev=torch.device("cuda"))
+
+
+@pytest.fixture(params=["rerun", "correction"])
+def resume_path(request, kern, monkeypatch):
+    """How sequences that resume a saved state are handled: "rerun" (each one alone through the kernels'
+    native initial state; the wrappers' choice for up to varlen_plan.SEPARATE_RESUMED_MAX of them) or "correction"
+    (the batched exact correction of the SSD output and the extended conv buffer; forced here). Returns the
+    list of SSD forward calls' batch-row lengths, to check which path ran."""
+    monkeypatch.setattr(varlen_plan, "SEPARATE_RESUMED_MAX", 3 if request.param == "rerun" else -1)
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+
+    def counting(x, *a, **kw):
+        calls.append(x.shape[1])
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(ns, "ssd_fwd", counting)
+    return SimpleNamespace(name=request.param, calls=calls)
+
+
+def record_conv_launches(monkeypatch):
+    """The data pointers of the inputs of every causal-conv1d forward the wrapper launches (x's own pointer:
+    read in place; anything else: a staging buffer or a slice)."""
+    launched, real_fwd = [], conv_mod._conv_fwd
+    monkeypatch.setattr(conv_mod, "_conv_fwd", lambda xv, *a: (launched.append(xv.data_ptr()), real_fwd(xv, *a))[1])
+    return launched
+
+
+TOL = {("ssd", F32): 5e-3, ("ssd", BF16): 3e-2, ("any", F32): 1e-4, ("any", BF16): 1e-2}
+
+
+def tol(kern, kind, dtype):
+    if kern.name == "fake" and dtype == F32:
+        return 1e-4
+    return TOL.get((kind, dtype), TOL[("any", dtype)])
+
+
+def assert_close(actual, expected, t, what=""):
+    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    scale = max(e.abs().max().item(), 1e-6)
+    err = (a - e).abs().max().item()
+    assert err <= t * scale, f"{what}: max abs err {err:.3g} > {t} * scale {scale:.3g}"
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(g, *shape, scale=1.0):
+    return torch.randn(*shape, generator=g) * scale
+
+
+# SSD shapes: the three tiny test models (tests/conftest.py) and a realistic Mamba2 layer (chunk 256).
+SSD_CASES = {
+    "tiny-g1": dict(H=8, P=16, N=16, G=1, cs=8, real=False),
+    "tiny-g2": dict(H=16, P=8, N=16, G=2, cs=16, real=False),
+    "tiny-g8": dict(H=8, P=32, N=16, G=8, cs=4, real=False),
+    "real-g1": dict(H=24, P=64, N=128, G=1, cs=256, real=True),
+    "real-g8": dict(H=24, P=64, N=128, G=8, cs=256, real=True),
+}
+
+
+def case(kern, name):
+    c = SimpleNamespace(**SSD_CASES[name])
+    if c.real and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU (the fake backend runs the reference twice on CPU)")
+    return c
+
+
+def ssd_inputs(c, lens, dtype, dev, seed, pad=0):
+    g = gen(seed)
+    T = sum(lens) + pad
+    dt_bias = torch.log(torch.expm1(torch.empty(c.H).uniform_(1e-3, 1e-1, generator=g)))  # Mamba2 init
+    dt = ref.process_dt(rnd(g, T, c.H, scale=0.5), dt_bias)
+    A = -torch.exp(torch.empty(c.H).uniform_(0.0, math.log(16.0), generator=g))
+    x, B, C = rnd(g, T, c.H, c.P), rnd(g, T, c.G, c.N), rnd(g, T, c.G, c.N)
+    D = rnd(g, c.H)
+    to = lambda t, dty=dtype: t.to(dev, dty)  # noqa: E731
+    return to(x), to(dt, F32), to(A, F32), to(B), to(C), to(D, F32)
+
+
+def cu_of(lens, dev):
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+
+
+def garbage_states(g, shape, flags, dev, dtype=F32):
+    """Initial states; rows flagged False hold NaN / inf garbage (vLLM never zeroes a slot)."""
+    s = rnd(g, *shape)
+    for i, f in enumerate(flags):
+        if not f:
+            s[i] = float("nan")
+            s[i].view(-1)[::3] = float("inf")
+    return s.to(dev, dtype)
+
+
+def flags_of(flags, dev):
+    return torch.tensor(flags, dtype=torch.bool, device=dev)
+
+
+CONV_DIMS = {"tiny": 160, "real": 1792}  # conv_dim = d_inner + 2*G*N: tiny-g1 (128 + 32), real (1536 + 256)
+
+
+def pool_views(raw, K, Dm, H, P, N, conv_dtype, ssm_dtype):
+    """vLLM-style per-slot pages of bytes: [conv (K, D) | pad | ssm (H, P, N) | pad]; strided views."""
+    num_slots = raw.shape[0]
+    es_c, es_s = (torch.empty(0, dtype=d).element_size() for d in (conv_dtype, ssm_dtype))
+    conv_bytes, ssm_bytes = K * Dm * es_c, H * P * N * es_s
+    ssm_off = -(-conv_bytes // 64) * 64 + 64
+    assert raw.shape[1] >= ssm_off + ssm_bytes
+    conv = raw[:, :conv_bytes].view(conv_dtype).view(num_slots, K, Dm)
+    ssm = raw[:, ssm_off:ssm_off + ssm_bytes].view(ssm_dtype).view(num_slots, H, P, N)
+    return conv, ssm, conv_bytes, ssm_off
+
+
+def make_pools(num_slots, K, Dm, H, P, N, conv_dtype, ssm_dtype, dev, seed):
+    """A raw uint8 buffer (random bytes: slots are never zeroed) and its (conv, ssm) pool views, whose
+    state entries are filled with random normals."""
+    es_c, es_s = (torch.empty(0, dtype=d).element_size() for d in (conv_dtype, ssm_dtype))
+    page = -(-(K * Dm * es_c) // 64) * 64 + 64 + H * P * N * es_s + 64
+    raw = torch.randint(0, 256, (num_slots, page), dtype=torch.uint8, generator=gen(seed)).to(dev)
+    conv, ssm, _, _ = pool_views(raw, K, Dm, H, P, N, conv_dtype, ssm_dtype)
+    conv.copy_(rnd(gen(seed + 1), num_slots, K, Dm).to(conv_dtype))
+    ssm.copy_(rnd(gen(seed + 2), num_slots, H, P, N).to(ssm_dtype))
+    assert not conv.is_contiguous() and not ssm.is_contiguous()
+    return raw, conv, ssm
+
+
+SLOTS = [7, 2, 11, 5, 14, 1]  # scattered, unsorted
+
+
+def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
+    """One Mamba2Mixer of the given shape (hidden size 32, conv bias, no linear biases), parameters uninitialised."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
+                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+    with set_current_vllm_config(VllmConfig()):  # the layer registers itself in the config's forward context
+        return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)

@@ -1,0 +1,169 @@
+"""kernels/cuda/conv.py against kernels.reference: the prefill conv's layouts and the decode update on
+vLLM-style strided pools.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
+from cuda_helpers import (BF16, CONV_DIMS, F32, SLOTS, assert_close, cu_of, flags_of, gen, garbage_states,
+                          make_pools, pool_views, record_conv_launches, rnd, tol)
+from vllm_mamba2_plugin.kernels import cuda as ck
+from vllm_mamba2_plugin.kernels import reference as ref
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_varlen(kern, dims, width, dtype):
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, K = CONV_DIMS[dims], width - 1
+    lens = [1, 2, 3, 5, 17] if dims == "tiny" else [1, 2, 255, 256, 700]  # some shorter than W-1
+    flags = [True, False, True, True, False]
+    g = gen(10 + width)
+    T = sum(lens) + 3  # + padding tokens
+    # x as a column slice of a wider "projection" with an odd row stride, as the mixer passes it.
+    proj = rnd(g, T, Dm + 13).to(kern.dev, dtype)
+    x = proj[:, 5:5 + Dm]
+    w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
+    for bias, act, p in ((b, "silu", None), (None, None, None), (b, "silu", plan)):
+        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act, plan=p)
+        out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
+        assert out.dtype == dtype and fin.dtype == dtype
+        assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+        assert torch.equal(out[sum(lens):].cpu(), torch.zeros(3, Dm, dtype=dtype)), "padding tokens -> 0"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("row_pad", [0, 13], ids=["aligned-rows", "odd-row-stride"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, monkeypatch):
+    """Fresh prompts (no state read, every sequence >= W-1 tokens, no padding): the conv reads x where it lies
+    (the mixer's projection slice) when its rows allow the channel-last kernel's vector loads (16-byte aligned,
+    row stride a multiple of 8), and goes through the extended buffer otherwise. Same results either way,
+    checked against the reference; initial states flagged False are never read (garbage in them)."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    lens = [3, 8, 17, 5] if dims == "tiny" else [3, 255, 256, 700]
+    T, S = sum(lens), len(lens)
+    g = gen(30)
+    proj = rnd(g, T, 8 + Dm + 8 + row_pad).to(kern.dev, dtype)
+    x = proj[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    flags = [False] * S
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = record_conv_launches(monkeypatch)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)
+    assert plan.conv[W - 1].tok_row is None, "prompts that can be read in place: no extended rows built up front"
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, None, None, activation="silu")
+    for kw in (dict(plan=None), dict(plan=plan), dict(initial_states=init, has_initial_state=hi, plan=plan)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, activation="silu", **kw)
+        assert launched and (launched[0] == x.data_ptr()) == (row_pad == 0), "in-place layout taken or not"
+        assert out.dtype == dtype and fin.dtype == dtype and out.is_contiguous()
+        assert_close(out, out_r, tol(kern, "conv", dtype), f"out ({list(kw)})")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+    # Rows the kernel cannot read in place: the extended rows were built on demand, once, into the shared plan.
+    assert (plan.conv[W - 1].tok_row is None) == (row_pad == 0)
+
+
+def _conv_resumed_runs(kern, dims, dtype, lens, flags, seed, monkeypatch):
+    """causal_conv1d on sequences of which some resume a saved state (unflagged states hold garbage), without a
+    plan and with the builder's: checked against the reference (final states exactly); yields, per call, the
+    input pointers of the conv launches it made and x's own pointer."""
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    Dm, W = CONV_DIMS[dims], 4
+    T, S = sum(lens), len(lens)
+    g = gen(seed)
+    x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
+    w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
+    init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    launched = record_conv_launches(monkeypatch)
+    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
+    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
+        launched.clear()
+        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
+        assert_close(out, out_r, tol(kern, "conv", dtype), "out")
+        assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
+        yield list(launched), x.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeypatch):
+    """Some sequences resume a saved state, every sequence has >= W-1 tokens. "rerun": x is convolved in place
+    as if all were fresh, then each resumed sequence's first W-1 outputs are recomputed from its state (one
+    small launch each); "correction": the extended buffer. Both against the reference; unflagged states hold
+    garbage."""
+    lens = [3, 9, 4, 17] if dims == "tiny" else [3, 255, 256, 700]
+    flags = [True, False, True, True]
+    for launched, x_ptr in _conv_resumed_runs(kern, dims, dtype, lens, flags, 31, monkeypatch):
+        if resume_path.name == "rerun":
+            assert launched[0] == x_ptr and len(launched) == 1 + sum(flags), launched
+        else:
+            assert len(launched) == 1 and launched[0] != x_ptr
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_causal_conv1d_lone_first_resumed_sequence_is_read_in_place(kern, dims, dtype, monkeypatch):
+    """One resumed sequence, first in the batch, all >= W-1 tokens: ONE launch reading x in place, the state
+    through the kernel's own initial_states (no rerun). Against the reference; other states hold garbage."""
+    lens = [5, 9, 17] if dims == "tiny" else [300, 255, 700]
+    for launched, x_ptr in _conv_resumed_runs(kern, dims, dtype, lens, [True, False, False], 32, monkeypatch):
+        assert launched == [x_ptr], launched
+
+
+def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
+    g = gen(20)
+    lens, Dm = [3, 9], 20
+    x, w = rnd(g, 12, Dm).to(kern.dev), rnd(g, Dm, 4).to(kern.dev)
+    cu = cu_of(lens, kern.dev)
+    out, fin = ck.causal_conv1d(x, w, None, cu)
+    out_r, fin_r = ref.causal_conv1d(x, w, None, cu)
+    assert torch.equal(out.cpu(), out_r.cpu()) and torch.equal(fin.cpu(), fin_r.cpu())
+
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (BF16, F32)],
+                         ids=["f32", "bf16", "bf16-x-f32-pool"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dims", list(CONV_DIMS))
+def test_conv_update_pool(kern, dims, width, dtypes):
+    if dims == "real" and kern.name == "fake":
+        pytest.skip("realistic shapes only on the GPU")
+    x_dtype, pool_dtype = dtypes
+    Dm, K = CONV_DIMS[dims], width - 1
+    shape = (K, Dm, 2, 4, 8, pool_dtype, F32)
+    raw, conv, _ = make_pools(16, *shape, kern.dev, seed=30 + width)
+    raw_r = raw.clone()
+    conv_r, _, conv_bytes, _ = pool_views(raw_r, *shape)
+    g = gen(40)
+    proj = rnd(g, len(SLOTS), Dm + 11).to(kern.dev, x_dtype)
+    x = proj[:, 3:3 + Dm]
+    w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, x_dtype), rnd(g, Dm, scale=0.1).to(kern.dev, x_dtype)
+    idx = torch.tensor(SLOTS, dtype=torch.int64, device=kern.dev)
+    for step in range(2):  # two steps: the second reads what the first wrote
+        y = ck.conv_update(x, conv, w, b, idx, activation="silu")
+        y_r = ref.conv_update(x, conv_r, w, b, idx, activation="silu")
+        assert y.dtype == x_dtype
+        assert_close(y, y_r, tol(kern, "conv", x_dtype), f"out step {step}")
+        if x_dtype == pool_dtype:
+            assert torch.equal(conv[idx].cpu(), conv_r[idx].cpu()), "shifted conv states must be exact"
+        else:
+            assert_close(conv[idx], conv_r[idx], 1e-6, "conv states")
+        x = x.flip(0)
+    untouched = [s for s in range(16) if s not in SLOTS]
+    assert torch.equal(raw[untouched].cpu(), raw_r[untouched].cpu()), "untouched slots must be bit-identical"
+    assert torch.equal(raw[SLOTS, conv_bytes:].cpu(), raw_r[SLOTS, conv_bytes:].cpu()), "wrote past conv state"

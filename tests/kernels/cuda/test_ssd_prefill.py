@@ -1,0 +1,202 @@
+"""kernels/cuda/ssd_prefill.py against kernels.reference: every path of the packed SSD scan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
+from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, case, cu_of, flags_of, gen, garbage_states, rnd,
+                          ssd_inputs, tol)
+from fakes import FAKE_KERNELS
+from vllm_mamba2_plugin.kernels import cuda as ck
+from vllm_mamba2_plugin.kernels import reference as ref
+from vllm_mamba2_plugin.kernels.cuda import upstream
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(SSD_CASES))
+def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
+    c = case(kern, name)
+    cs = c.cs
+    lens = [cs + 1, 1, 3 * cs + 5, max(1, cs - 1), cs]  # 1, chunk-1, chunk, chunk+1, 3*chunk+5, shuffled
+    flags = [True, True, False, True, False]  # init on a 1-token row and on long rows, garbage elsewhere
+    x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=1)
+    h0 = garbage_states(gen(2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
+    # Without a plan (built inside from the device bounds) and with the builder's plan (host bounds).
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], cs, 4, kern.dev)
+    for p in (None, plan):
+        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D, plan=p)
+        assert y.dtype == x.dtype and fin.dtype == F32 and fin.shape == fin_r.shape
+        t = tol(kern, "ssd", dtype)
+        assert_close(y, y_r, t, "y")
+        assert_close(fin, fin_r, t, "final states")
+        for s in range(len(lens)):  # per-sequence check: a large sequence must not hide a wrong short one
+            a, b = int(cu[s]), int(cu[s + 1])
+            assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+            assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
+    # one packed call per wrapper call, plus (rerun) one per resumed sequence, of exactly its length
+    resumed = [n for n, f in zip(lens, flags) if f]
+    per_call = [sum(lens)] + (resumed if resume_path.name == "rerun" else [])
+    assert resume_path.calls == per_call * 2, resume_path.calls
+
+
+def _lone_first_layout(variant, cs):
+    """(lengths, flags) where exactly one sequence resumes and it is the first non-empty one."""
+    return {
+        "ends-in-chunk-0": ([cs // 2 + 3, cs + 7, 5], [True, False, False]),
+        "exactly-one-chunk": ([cs, 9, cs + 1], [True, False, False]),
+        "spans-chunks": ([2 * cs + 5, 3, cs - 1], [True, False, False]),
+        "one-token": ([1, cs + 3], [True, False]),
+        "alone": ([cs // 2], [True]),
+        "after-empty": ([0, cs // 2, 7], [False, True, False]),
+    }[variant]
+
+
+LONE_FIRST = ["ends-in-chunk-0", "exactly-one-chunk", "spans-chunks", "one-token", "alone", "after-empty"]
+
+
+@pytest.mark.parametrize("variant", LONE_FIRST)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, name, dtype, variant, resume_path):
+    """The usual chunked-prefill step: one resumed chunk, first in the batch. ONE packed call with the kernels'
+    initial_states (no rerun, no correction, whatever SEPARATE_RESUMED_MAX says), including the patched final
+    state of a first sequence that ends in chunk 0 -- and the mixer's form of the call (raw dt, dt_bias, limit,
+    state in the pool's dtype). Oracle: the reference; unflagged states hold garbage."""
+    c = case(kern, name)
+    lens, flags = _lone_first_layout(variant, c.cs)
+    x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11)
+    h0 = garbage_states(gen(12), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    t = tol(kern, "ssd", dtype)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    for p in (None, plan):
+        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=p)
+        assert_close(y, y_r, t, "y")
+        for s in range(len(lens)):
+            assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
+    # The mixer's call: raw dt + dt_bias + limit processed inside, final states in a bf16 pool's dtype.
+    g = gen(13)
+    raw = rnd(g, sum(lens), c.H, scale=2.0).to(kern.dev, dtype)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    limit = (0.01, 0.5)
+    y_r2, fin_r2 = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
+    y2, fin2 = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+                                 dt_limit=limit, state_dtype=BF16)
+    assert fin2.dtype == BF16
+    assert_close(y2, y_r2, t, "y (raw dt)")
+    for s in range(len(lens)):
+        assert_close(fin2[s], fin_r2[s], 2 * tol(kern, "ssd", BF16), f"final state {s} (raw dt, bf16 pool)")
+    assert resume_path.calls == [sum(lens)] * 3, resume_path.calls  # one packed call each, nothing rerun
+
+
+def _aligned_layout(variant, cs):
+    """(lengths, flags): every non-empty sequence but the last ends on a chunk boundary ("unaligned": a control)."""
+    return {
+        "one-fresh": ([cs + 3], [False]),
+        "one-resumed": ([2 * cs + 5], [True]),
+        "fresh": ([cs, 2 * cs, cs + 5], [False, False, False]),
+        "first-resumed": ([2 * cs, cs, 7], [True, False, False]),
+        "resumed-later": ([cs, 0, cs, 3 * cs - 1], [False, True, True, True]),
+        "unaligned": ([cs, cs + 1, 5], [False, True, False]),
+    }[variant]
+
+
+ALIGNED = ["one-fresh", "one-resumed", "fresh", "first-resumed", "resumed-later", "unaligned"]
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["state-f32", "state-bf16"])
+@pytest.mark.parametrize("variant", ALIGNED)
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant, state_dtype, resume_path,
+                                                            monkeypatch):
+    """When every sequence but the last ends where a chunk ends (one sequence always does), the final states are
+    the chunk states that state passing computed: the packed call gets no cu_seqlens (no chunk_state_varlen
+    launch). Outputs and final states against the reference, through every resume path (native first sequence,
+    rerun, correction); the unaligned control still asks for the varlen states."""
+    c = case(kern, name)
+    lens, flags = _aligned_layout(variant, c.cs)
+    x, dt, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=21)
+    h0 = garbage_states(gen(22), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    varlen, inner = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda *a, **kw: (varlen.append("cu_seqlens" in kw), inner(*a, **kw))[1])
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    assert (plan.final_chunks is None) == (variant == "unaligned")
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
+    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, state_dtype=state_dtype)
+    assert fin.dtype == state_dtype and fin.shape == fin_r.shape
+    t = tol(kern, "ssd", BF16)
+    assert_close(y, y_r, t, "y")
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+        assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
+    assert varlen[0] == (variant == "unaligned"), varlen  # the packed call; reruns never ask for varlen states
+
+
+@pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
+def test_ssd_edge_cases(kern, variant, resume_path):
+    c = case(kern, "tiny-g2")
+    lens = {"empty-and-padding": [0, 5, 0, 17, 1]}.get(variant, [3, 16, 40, 1])
+    pad = 7 if variant == "empty-and-padding" else 0
+    x, dt, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=3, pad=pad)
+    S = len(lens)
+    flags = [s % 2 == 0 for s in range(S)]
+    h0 = garbage_states(gen(4), (S, c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    kw = dict(initial_states=h0, has_initial_state=hi, D=D)
+    if variant == "all-fresh":
+        kw = dict(D=None)
+    elif variant == "all-init-none-flags":
+        kw = dict(initial_states=torch.where(torch.isfinite(h0), h0, 0.0), has_initial_state=None, D=D)
+    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
+    if variant == "cpu-bounds":  # the metadata's CPU copies: no device->host sync in the wrapper
+        cu, kw["has_initial_state"] = cu.cpu(), hi.cpu()
+    init_before = None if kw.get("initial_states") is None else kw["initial_states"].clone()
+    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
+    t = tol(kern, "ssd", F32)
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    if pad:
+        assert torch.equal(y[-pad:].cpu(), torch.zeros(pad, c.H, c.P)), "padding tokens must give y = 0"
+    if init_before is not None:  # the caller's initial_states are never written (no aliasing)
+        assert torch.equal(torch.nan_to_num(kw["initial_states"]).cpu(), torch.nan_to_num(init_before).cpu())
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16], ids=["state-f32", "state-bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype, resume_path):
+    """The mixer's call: raw dt with dt_bias and a time-step limit, processed inside the scan (the kernel's fused
+    softplus + clamp, also feeding the initial-state correction), final states returned in the pool's dtype.
+    Oracle: the reference fed with process_dt's step sizes."""
+    c = case(kern, name)
+    lens = [c.cs + 1, 1, 2 * c.cs + 5, 3]
+    flags = [True, False, True, False]
+    x, _, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=5)
+    g = gen(6)
+    T = sum(lens)
+    raw = rnd(g, T, c.H, scale=2.0)
+    raw[::7, 0] = 30.0  # above softplus's threshold of 20 (linear there), then clamped by the limit
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g)
+    limit = (0.01, 0.5)
+    raw, dt_bias = raw.to(kern.dev, BF16), dt_bias.to(kern.dev)
+    h0 = garbage_states(gen(7), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, c.cs, 4, kern.dev)
+    y, fin = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias, dt_limit=limit,
+                               state_dtype=state_dtype)
+    assert y.dtype == BF16 and fin.dtype == state_dtype
+    t = tol(kern, "ssd", BF16)
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")

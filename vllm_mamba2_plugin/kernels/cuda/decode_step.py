@@ -1,0 +1,149 @@
+"""The decode step's SSM recurrence: mamba-ssm's ``selective_state_update`` Triton kernel, with our launch tile.
+
+Contract and notation: ``reference.ssm_state_update`` (B rows, H heads, P head dim, G groups, N state size).
+Line numbers: mamba-ssm 2.3.2.post1. (The decode step's conv is ``conv.conv_update``.)
+
+``ssm_state_update`` makes ONE launch per layer, in the multi-head form with dt / A / dt_bias / D broadcast by
+stride-0 ``expand``, which takes the kernel's TIE_HDIM scalar path. Where ``SSU_LAUNCH_TABLE`` has a measured
+tile for the shape, the kernel is launched directly with it (``_launch_ssu``, the wrapper's own launch with
+another BLOCK_SIZE_M / num_warps); otherwise through mamba-ssm's wrapper. ``ssu_warm_batches`` tells the
+warm-up which batch sizes compile every launch the table can pick.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import reference
+from . import upstream
+
+
+def ssm_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state_indices: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    launch: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
+    """One decode step of the SSM recurrence, updating the pool in place (contract: reference.ssm_state_update).
+
+    ssm_states: (num_slots, H, P, N) pool (any slot stride)  x: (B, H, P)  dt: (B, H) processed, or raw with
+    dt_bias (H,) and dt_softplus=True (the kernel then computes softplus(dt + dt_bias))  A: (H,)
+    B, C: (B, G, N)  state_indices: (B,) int  D: (H,) | (H, P) | None  returns y: (B, H, P) in x.dtype.
+    launch: (BLOCK_SIZE_M, num_warps) for the kernel; None: ``ssu_launch_config`` (the upstream launch when it
+    has no entry).
+    """
+    Bsz, H, P = x.shape
+    N = ssm_states.shape[-1]
+    reference._groups(H, B.shape[-2])
+    if Bsz == 0:
+        return x.new_empty(0, H, P)
+    k = upstream.kernels()
+    dev = x.device
+    # int64 indices: the Triton kernel offsets the pool by index * slot stride (selective_state_update.py:60-65)
+    # and an int64 index keeps that product 64-bit for large pools. The kernel reads index pid_b at
+    # ptr + pid_b, so the tensor must be contiguous. (No copy when the caller already passes int64.)
+    idx = upstream.unit_stride(state_indices.to(device=dev, dtype=torch.int64))
+    # Multi-head form: dt (B, H, P), A (H, P, N), dt_bias (H, P), D (H, P), broadcast with stride 0 (as vLLM
+    # does). With A, dt and dt_bias all stride-0 in the head dim the kernel takes its TIE_HDIM path
+    # (selective_state_update.py:199): one scalar dt and exp(dt*A) per head. The kernel loads dt in any float
+    # dtype and computes in float32, so dt is passed as it comes (no cast launch).
+    # dt_bias and D must NOT be None here: the call site unpacks `*(t.stride(0), t.stride(1)) if t is not None
+    # else 0`, i.e. `*0` -> TypeError for None (selective_state_update.py:207, 211), and line 199 evaluates
+    # dt_bias.stride(-1) whenever A and dt are tied. So pass zeros (adding 0.0 to dt is exact).
+    dt3 = dt[:, :, None].expand(Bsz, H, P)
+    A3 = A.to(torch.float32)[:, None, None].expand(H, P, N)
+    bias2 = _zeros_h1(H, dev) if dt_bias is None else dt_bias.to(torch.float32)[:, None]
+    D2 = _zeros_h1(H, dev) if D is None else D
+    D2 = D2[:, None].expand(H, P) if D2.dim() == 1 else (D2.expand(H, P) if D2.shape[-1] == 1 else D2)
+    # The kernel reads the state in its dtype, computes in float32 and stores back in the pool dtype; y comes
+    # from the float32 state (as the reference). dt_softplus uses threshold 20 (selective_state_update.py:102),
+    # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
+    cfg = launch if launch is not None else ssu_launch_config(Bsz, H, P, N, ssm_states.dtype)
+    if cfg is None:
+        return k.selective_state_update(
+            ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P),
+            dt_softplus=bool(dt_softplus), state_batch_indices=idx,
+        )
+    return _launch_ssu(k, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
+
+
+# (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``. Its wrapper always launches
+# (4, 4) for d_state 128 (selective_state_update.py:193-197): head_dim/4 x batch x heads programs of one 4 x 128
+# tile each, which reaches ~1.7 TB/s of state traffic on an H200. Measured there (benchmarks/ssu_launch.py,
+# RESULTS.md, 2026-12-02): (16, 2) runs 2.1-3.0x faster from batch*heads >= 1536 (3.6-3.9 TB/s) and 1.3-1.5x at
+# batch 1 with 80-128 heads; at batch*heads = 24 the two are within noise, so small launches keep upstream's.
+# Keyed by (head_dim, d_state, state bytes); shapes not measured keep the upstream launch.
+# fp32 states (--mamba-ssm-cache-dtype float32): the tile of vLLM 0.26's tuned H200 table for its copy of this
+# kernel (configs/selective_state_update/headdim=64,dstate=128,device_name=NVIDIA_H200,cache_dtype=float32.json:
+# BLOCK_SIZE_M 4 with one warp up to batch*heads 8192, 8 with one warp around 12288-24576), simplified to those
+# two. Measured on the H200 (ssu_launch.py --state-dtype float32, RESULTS.md, 2026-12-03): these run at 3.7-3.9
+# TB/s of state traffic at 2.7b and 7b, batch 64 and 256, and no other candidate was more than 2 % faster (a
+# flat optimum); upstream's own (4, 4) was not in that sweep (the script's baseline row was this table's entry).
+SSU_LAUNCH_TABLE: dict = {
+    (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
+    (64, 128, 4): [(64, (4, 1)), (12288, (8, 1))],
+}
+
+
+def ssu_launch_config(batch: int, nheads: int, head_dim: int, dstate: int,
+                      state_dtype: torch.dtype) -> Optional[Tuple[int, int]]:
+    """The launch to use, or None for mamba-ssm's own (its wrapper)."""
+    rows = SSU_LAUNCH_TABLE.get((head_dim, dstate, state_dtype.itemsize))
+    cfg = None
+    for lo, c in rows or ():
+        if batch * nheads >= lo:
+            cfg = c
+    return cfg
+
+
+def ssu_warm_batches(nheads: int, head_dim: int, dstate: int, state_dtype: torch.dtype) -> list:
+    """Batch sizes whose state updates compile every launch ``ssu_launch_config`` can pick for this layer, each
+    under each of Triton's specialisations of the integer ``batch`` argument (== 1, multiple of 16, other).
+    A launch the warm-up never ran is compiled the first time a step needs it: on the H200 the fp32 table's
+    second tile (from batch * heads >= 12 288, i.e. batch >= 154 at 2.7b) was compiled during serving, in a mixed
+    step (vLLM's JIT monitor, benchmarks/RESULTS.md); a compile inside a CUDA-graph capture would fail."""
+    rows = SSU_LAUNCH_TABLE.get((head_dim, dstate, state_dtype.itemsize), ())
+    starts = sorted({1} | {max(1, -(-lo // nheads)) for lo, _ in rows})  # first batch of each launch's range
+    out = set()
+    for b, nxt in zip(starts, starts[1:] + [float("inf")]):
+        out |= {c for c in (b, b + 1, (b // 16 + 1) * 16) if c < nxt}
+    return sorted(out)
+
+
+def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
+    """mamba-ssm's ``_selective_scan_update_kernel`` launched exactly as its wrapper does
+    (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count."""
+    batch, nheads, dim = x.shape
+    dstate = state.shape[-1]
+    out = torch.empty_like(x)
+    grid = ((dim + block_m - 1) // block_m, batch, nheads)
+    tie_hdim = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0
+    with torch.cuda.device(x.device.index):
+        k.ssu_kernel[grid](
+            state, x, dt, dt_bias, A, B, C, D, None, out, idx,
+            batch, nheads, dim, dstate, nheads // B.shape[1],
+            *state.stride(), *x.stride(), *dt.stride(), *dt_bias.stride(), *A.stride(), *B.stride(),
+            *C.stride(), *D.stride(), 0, 0, 0, *out.stride(),
+            dt_softplus, tie_hdim, block_m, num_warps=num_warps,
+        )
+    return out
+
+
+_ZEROS: dict = {}
+
+
+def _zeros_h1(H: int, dev: torch.device) -> torch.Tensor:
+    """A cached (H, 1) float32 zero column per device (a fresh one per call would be one more launch per layer)."""
+    key = (H, dev)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(H, 1, dtype=torch.float32, device=dev)
+    return _ZEROS[key]

@@ -1,0 +1,271 @@
+"""The chunked SSD scan of a packed prefill block: mamba-ssm's Triton SSD forward, one packed call per step.
+
+Contract and notation: ``reference.ssd_chunk_scan`` (T tokens, S sequences, H heads, P head dim, G groups,
+N state size; S' the non-empty sequences, Tu their tokens). Line numbers: mamba-ssm 2.3.2.post1.
+
+**The upstream limit.** ``_mamba_chunk_scan_combined_fwd`` (what ``mamba_chunk_scan_combined`` runs inside its
+autograd Function) takes one initial state per batch row (ssd_combined.py:369), and with seq_idx that state
+reaches only the row's FIRST sequence: state passing starts from it and resets whenever seq_idx changes
+(ssd_state_passing.py:64-80), and chunk scan applies the previous state only to tokens whose seq_idx equals the
+previous token's (ssd_chunk_scan.py:98-113). Per-sequence final states of a packed row need cu_seqlens, which
+requires batch == 1 (ssd_combined.py:390). One call per resumed sequence would work, but costs 5 Triton
+launches each, and vLLM's runner can send many one-token rows that carry state.
+
+**The paths** (``ssd_chunk_scan``), all starting from ONE packed call of every non-empty sequence, with seq_idx:
+
+1. Final states. When every sequence but the last ends on a chunk boundary (one sequence always does), they are
+   the states that state passing hands from chunk to chunk: no ``chunk_state_varlen`` launch (``_packed_call``).
+   Otherwise cu_seqlens asks for them (``chunk_state_varlen``, one more autotuned launch).
+2. Nobody resumes a state: done.
+3. The only resumed sequence opens the batch (vLLM's runner orders a step's rows decode, short extend, long
+   extend, fresh prompt, so the chunk that continues a cut prompt comes first): its state is the packed call's
+   ``initial_states``. One upstream gap is patched: ``chunk_state_varlen`` adds the state entering a sequence's
+   last chunk only if the sequence started before that chunk (ssd_chunk_state.py:700-706), so a first sequence
+   ending in chunk 0 gets its final state without the h0 term; ``_patch_first_final`` adds
+   exp(dA_cumsum[its last token]) h0 (the kernel's own in-chunk cumsum).
+4. Up to ``varlen_plan.SEPARATE_RESUMED_MAX`` other resumed sequences: each is rerun alone as one batch row whose
+   initial state the kernel takes natively, and its rows and final state overwritten (``_rerun_resumed``):
+   fewer host launches than the correction, and prefill steps are host-bound.
+5. More: the exact correction (``add_initial_state``). SSD is linear in h0, so
+       y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
+   in float32 for the resumed sequences only, from the step sizes the kernel itself computed.
+6. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
+   sequence at position 0, ssd_chunk_state.py:661-675); they keep their selected initial state.
+
+Final states come in C's dtype from the kernel's varlen states (float32 from a rerun's row): with bf16
+activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding of its state
+per step. With dt_bias the kernel's first pass applies softplus(dt + dt_bias) and the limit
+(ssd_chunk_state.py:72-81): no separate dt kernels. Host sync: none with the step's plan (``plan_prefill``,
+built by the metadata builder from host bounds, uploaded once); without one, building it costs one .tolist().
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import reference
+from ..reference import _select_initial, row_range
+from . import upstream
+from .varlen_plan import InitCorrectionPlan, VarlenPlan, build_plan
+
+
+def plan_prefill(
+    cu_seqlens_cpu: torch.Tensor,
+    has_initial_state_cpu: Optional[torch.Tensor],
+    num_tokens: int,
+    chunk_size: int,
+    conv_width: int,
+    device: torch.device,
+) -> VarlenPlan:
+    """The index plan of one step's prefill block, shared by every layer (see ``varlen_plan``): pass host
+    tensors; the result lives on ``device`` after one non-blocking copy. The reference kernels need none."""
+    return build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device)
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    D: Optional[torch.Tensor] = None,
+    plan: Optional[VarlenPlan] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+    state_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan over a packed varlen batch (contract: reference.ssd_chunk_scan; paths: module doc).
+
+    x: (T, H, P)  dt: (T, H) processed, or raw with dt_bias (H,) (the kernel then computes
+    softplus(dt + dt_bias) clamped to dt_limit: ``process_dt`` fused into its first pass)  A: (H,)
+    B, C: (T, G, N)  cu_seqlens: (S+1,) (CPU or device)
+    initial_states: (S, H, P, N) or None  has_initial_state: (S,) bool or None (CPU or device)  D: (H,)|(H, P)
+    plan: ``plan_prefill`` of the same bounds (the mixer's path: no host sync); None builds one here, which
+    costs a sync for device bounds. A plan's flags take the place of has_initial_state's values for the
+    correction; has_initial_state still selects the returned states of empty sequences.
+    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
+    kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
+    """
+    T, H, P = x.shape
+    N = B.shape[-1]
+    reference._groups(H, B.shape[-2])
+    dev = x.device
+    if plan is None:
+        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, chunk_size, (), dev)
+    elif plan.T != T:
+        raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
+    S = plan.S
+    if not plan.nonempty:
+        return x.new_zeros(T, H, P), _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N),
+                                                       state_dtype, dev)
+    fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
+    native = plan.native_first(initial_states is not None)
+    out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
+    if native:
+        fin_k = _patch_first_final(fin_k, res, plan, initial_states, chunk_size, state_dtype)
+    elif plan.init is not None and initial_states is not None:
+        if plan.reruns_resumed():
+            out, fin_k = _rerun_resumed(fwd, out, fin_k, plan, initial_states)
+        else:
+            lo, hi = plan.cu[0], plan.cu[-1]
+            dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
+            fin_k = fin_k.to(torch.float32)
+            out = add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
+                                    initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
+    return _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
+
+
+class _Forward:
+    """mamba-ssm's SSD forward over tokens [a, b) of the step as one batch row (1, b-a, ...), dt raw (softplus +
+    limit inside) or processed. The forward function itself, not the autograd Function around it: inference
+    needs no saved tensors, and prefill steps are host-bound. A call returns (out, out_x, dt, dA_cumsum, states,
+    final_states[, varlen_states]) (ssd_combined.py:343-393)."""
+
+    def __init__(self, x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit):
+        self.x, self.dt, self.A, self.B, self.C, self.chunk_size, self.D = x, dt, A, B, C, int(chunk_size), D
+        self.dt_bias, self.raw = dt_bias, dt_bias is not None
+        self.dt_limit = dt_limit if self.raw else (0.0, float("inf"))
+
+    def __call__(self, a: int, b: int, **kw):
+        def rows(t):
+            return row_range(t, a, b).unsqueeze(0)
+
+        return upstream.kernels().ssd_fwd(rows(self.x), rows(self.dt), self.A, rows(self.B), rows(self.C),
+                                          self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=self.raw,
+                                          dt_limit=self.dt_limit, **kw)
+
+
+def _packed_call(fwd: _Forward, plan: VarlenPlan, first_state: Optional[torch.Tensor], state_dtype):
+    """The one packed call of all non-empty sequences (seq_idx: int32 0..S'-1; the kernels only compare ids,
+    ssd_bmm.py:84-88), the first one starting from first_state's row (path 3) if given.
+    Returns (out (Tu, H, P) x.dtype, final states (S', H, P, N), the kernel's result tuple)."""
+    aligned = plan.final_chunks is not None
+    first = plan.nonempty[0]
+    res = fwd(plan.cu[0], plan.cu[-1], seq_idx=plan.seq_idx_row,
+              **({} if aligned else {"cu_seqlens": plan.cu_k}),
+              **({} if first_state is None else {"initial_states": first_state[first: first + 1]}))
+    if not aligned:
+        return res[0][0], res[-1], res  # varlen states, in C's dtype (chunk_state_varlen)
+    # Every sequence but the last ends where a chunk ends: its final state is the state that state passing
+    # hands to the next chunk (ssd_state_passing.py:82; the next chunk's sequence then resets it, :77-79), and
+    # the last one's is the row's final state (float32, :84). No chunk_state_varlen launch, and no chunk-0 gap.
+    fin_k = res[5]  # (1, H, P, N)
+    if plan.final_chunks.numel():
+        cat = torch.promote_types(res[4].dtype, state_dtype)  # passed states are in C's dtype
+        fin_k = torch.cat([res[4][0].index_select(0, plan.final_chunks).to(cat), fin_k.to(cat)])
+    return res[0][0], fin_k, res
+
+
+def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size: int, state_dtype):
+    """Path 3's upstream gap: a first sequence ending in chunk 0 got its varlen final state without the h0 term
+    (module doc); add exp(dA_cumsum[last token]) h0. Aligned final states come from state passing, which
+    carried h0 already."""
+    first = plan.nonempty[0]
+    end = plan.cu[first + 1] - plan.cu[0]
+    if end > chunk_size or plan.final_chunks is not None:
+        return fin_k
+    decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
+    # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two full-size
+    # copies per layer of every chunked-prefill step: benchmarks/RESULTS.md).
+    row0 = fin_k[0].to(torch.float32) + decay[:, None, None] * initial_states[first].to(torch.float32)
+    fin_k = fin_k.to(state_dtype)
+    fin_k[0] = row0
+    return fin_k
+
+
+def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
+    """Path 4: each resumed sequence again alone, from its initial state (the kernel's native form); its rows of
+    out and its final state are overwritten. Returns (out, float32 final states)."""
+    fin_k = fin_k.to(torch.float32)
+    lo = plan.cu[0]
+    for s in plan.resumed:
+        a, b = plan.cu[s], plan.cu[s + 1]
+        r = fwd(a, b, initial_states=initial_states[s: s + 1])
+        out[a - lo: b - lo] = r[0][0]
+        fin_k[plan.nonempty.index(s)] = r[5][0]  # float32 (ssd_state_passing.py:208)
+    return out, fin_k
+
+
+def add_initial_state(
+    y: torch.Tensor,
+    fin: torch.Tensor,
+    dt_ht: torch.Tensor,
+    A: torch.Tensor,
+    C: torch.Tensor,
+    ip: InitCorrectionPlan,
+    h0: torch.Tensor,
+) -> torch.Tensor:
+    """Path 5: add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear
+    in h0).
+
+    y: (Tu, H, P) outputs of the kernel (any float dtype); fin: (S', H, P, N) float32 final states, updated
+    in place; dt_ht: (H, Tu) float32 processed step sizes (the kernel's own, head-major); A: (H,);
+    C: (Tu, G, N); ip: the plan's blocks for the I sequences that carry a state; h0: (I, H, P, N) float32
+    their initial states. Returns y + correction (new float32 tensor).
+
+    With a(t) = exp(sum_{k=start..t} dt_k A) (inclusive: h_t includes step t's decay):
+        y_t += a(t) · (C_t · h0)     final += a(end-1) · h0.
+    The C_t · h0 contraction needs h0 per token; gathering it per token would cost T·H·P·N memory, so tokens
+    are grouped in blocks of <= ``ip.block`` tokens of one sequence (last block padded with a dummy token) and
+    each block is one small matmul against its sequence's h0: memory ~ (T_init/block + S_init)·H·P·N, the
+    same order as the kernel's own per-chunk state tensor.
+    """
+    Tu, H, P = y.shape
+    G, N = C.shape[-2], C.shape[-1]
+    R = H // G
+    I = h0.shape[0]
+
+    # Log-decays summed in float64 over the packed batch, then differenced at sequence starts: float32
+    # cumsums over thousands of tokens would lose ~1e-3 absolute in the exponent. Head-major (H, Tu), so
+    # the scan runs along the contiguous dim: a (Tu, H) scan over dim 0 took 1.5 ms per layer on an H200
+    # (torch's outer-dim scan kernel in float64), this one takes microseconds.
+    dA = dt_ht.to(torch.float64) * A.to(torch.float64)[:, None]  # (H, Tu)
+    csum = torch.cat([dA.new_zeros(H, 1), dA.cumsum(1)], dim=1)  # csum[:, i] = sum_{k<i}
+    decay_tok = torch.exp(csum[:, 1:] - csum[:, ip.tok_start]).to(torch.float32).t()  # (Tu, H) a(t)
+
+    total = torch.exp(csum[:, ip.end] - csum[:, ip.start]).to(torch.float32).t()  # (I, H)
+    fin[ip.pos] += total[:, :, None, None] * h0
+
+    tok, blk = ip.tok, ip.block
+    nb = tok.shape[0]
+    Cb = torch.cat([C.to(torch.float32), C.new_zeros(1, G, N, dtype=torch.float32)])[tok]  # (nb, blk, G, N)
+    ab = torch.cat([decay_tok, decay_tok.new_zeros(1, H)])[tok]  # (nb, blk, H)
+    hb = h0.reshape(I, G, R * P, N)[ip.b_seq]  # (nb, G, R*P, N)
+    corr = torch.matmul(Cb.permute(0, 2, 1, 3), hb.transpose(-1, -2))  # (nb, G, blk, R*P)
+    corr = corr.view(nb, G, blk, R, P).permute(0, 2, 1, 3, 4).reshape(nb, blk, H, P) * ab[..., None]
+
+    out = torch.cat([y.to(torch.float32), y.new_zeros(1, H, P, dtype=torch.float32)])
+    out.index_add_(0, tok.reshape(-1), corr.reshape(nb * blk, H, P))  # each real token appears once
+    return out[:Tu]
+
+
+def _scatter(x, out, fin_k, plan: VarlenPlan, initial_states, has_initial_state, state_dtype):
+    """The kernel's results (non-empty sequences, tokens cu[0]..cu[S]) in the contract's shapes: y (T, H, P),
+    zeros outside; final states (S, H, P, N), empty sequences keeping their selected initial state (path 6)."""
+    T, H, P = x.shape
+    lo, hi = plan.cu[0], plan.cu[-1]
+    if lo == 0 and hi == T:  # every token covered (the mixer's case): the kernel's output is the result
+        y = out
+    else:
+        y = x.new_zeros(T, H, P)
+        y[lo:hi] = out
+    if len(plan.nonempty) == plan.S:
+        return y, fin_k
+    h0 = _initial_or_zeros(initial_states, has_initial_state, (plan.S, H, P, fin_k.shape[-1]), state_dtype,
+                           x.device)
+    h0[plan.nonempty_dev] = fin_k
+    return y, h0
+
+
+def _initial_or_zeros(initial_states, has_initial_state, shape, dtype, dev) -> torch.Tensor:
+    """``_select_initial`` as a fresh tensor (never the caller's initial_states: callers write into it)."""
+    h0 = _select_initial(initial_states, has_initial_state, shape, dtype, dev)
+    if initial_states is not None and h0.data_ptr() == initial_states.data_ptr():
+        h0 = h0.clone()
+    return h0

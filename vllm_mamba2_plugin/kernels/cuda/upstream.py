@@ -1,0 +1,105 @@
+"""The upstream kernels' entry points, imported once on first use, and the checks shared by the wrappers.
+
+``kernels()`` imports mamba_ssm / causal_conv1d lazily: importing mamba_ssm loads the Mamba1 extension and sets a
+global Triton allocator, which must never happen at plugin import or in ``register()``. The entry points are
+the functions below the upstream's Python wrappers (autograd Functions, custom ops): inference needs no saved
+tensors, and prefill steps are host-bound, so every wrapper layer skipped counts (each op module says which).
+Tests replace ``_KERNELS`` with plain-torch stand-ins (tests/kernels/cuda/fakes.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ... import envs
+from . import triton_launch
+
+logger = logging.getLogger(__name__)
+
+_KERNELS: Optional[SimpleNamespace] = None
+_INSTALL_HINT = (
+    "vllm_mamba2_plugin's CUDA path needs the mamba-ssm and causal-conv1d packages: "
+    "pip install mamba-ssm causal-conv1d (or: pip install 'vllm-mamba2-plugin[cuda]'); "
+    "or set VLLM_MAMBA2_PLUGIN_KERNELS=reference to use the plain-torch kernels"
+)
+
+
+def kernels() -> SimpleNamespace:
+    """The upstream kernel entry points, imported once, on first use (never at module import)."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            import causal_conv1d_cuda
+            from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
+            from mamba_ssm.ops.triton.selective_state_update import (
+                _selective_scan_update_kernel,
+                selective_state_update,
+            )
+            from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
+        except ImportError as e:
+            raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
+        placed = _install_launch_path()
+        _KERNELS = SimpleNamespace(
+            ssd_fwd=_mamba_chunk_scan_combined_fwd,
+            selective_state_update=selective_state_update,
+            ssu_kernel=placed.get("_selective_scan_update_kernel", _selective_scan_update_kernel),
+            layer_norm_fwd=_layer_norm_fwd,
+            conv_fwd=causal_conv1d_cuda.causal_conv1d_fwd,
+            conv_update=causal_conv1d_cuda.causal_conv1d_update,
+        )
+    return _KERNELS
+
+
+def _install_launch_path() -> dict:
+    """``triton_launch.install`` before the first launch, so the autotuners' first tuning already sees the
+    extended config lists. A Triton or mamba-ssm whose internals differ keeps their own launch path (warned)."""
+    fast, extended = envs.fast_launch(), envs.ssd_configs() == "extended"
+    try:
+        return triton_launch.install(fast_launch=fast, extra_configs=extended, direct_launch=envs.direct_launch())
+    except Exception as e:
+        if fast or extended:
+            logger.warning("vllm_mamba2_plugin: could not install the fast Triton launch path / extended SSD "
+                           "configs (%r); launching mamba-ssm's kernels through Triton as they come. "
+                           "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 VLLM_MAMBA2_PLUGIN_SSD_CONFIGS=upstream "
+                           "silence this.", e)
+        return {}
+
+
+_warned: set = set()
+
+
+def fallback(reason: str) -> None:
+    """Log, once per reason, that a call goes to the plain-torch reference kernel instead."""
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("vllm_mamba2_plugin: %s; using the plain-torch reference kernel for it", reason)
+
+
+CONV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # causal_conv1d.cpp:160-161, 477-478
+
+
+def conv_unsupported(width: int, x_dtype, w_dtype) -> Optional[str]:
+    """Why causal-conv1d cannot run this conv (None: it can)."""
+    if not 2 <= width <= 4:  # causal_conv1d.cpp:182, 496
+        return f"causal-conv1d supports conv widths 2..4, not {width}"
+    if x_dtype not in CONV_DTYPES or w_dtype not in CONV_DTYPES:
+        return f"causal-conv1d does not support dtypes {x_dtype}/{w_dtype}"
+    return None
+
+
+def check_activation(activation: Optional[str]) -> bool:
+    """Whether to apply SiLU (causal-conv1d's only activation)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    return activation is not None
+
+
+def unit_stride(idx: torch.Tensor) -> torch.Tensor:
+    """A 1-D index tensor with stride 1. ``.contiguous()`` is not enough: it keeps any stride of a one-element
+    tensor (a one-row step's slot, sliced from a block-table column, has the table's row stride), and
+    causal-conv1d's update checks ``conv_state_indices.stride(0) == 1`` (causal_conv1d.cpp:521)."""
+    return idx if idx.stride(0) == 1 else idx.clone(memory_format=torch.contiguous_format)

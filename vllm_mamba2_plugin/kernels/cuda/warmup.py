@@ -1,0 +1,122 @@
+"""Compile and autotune every kernel launch a step can need, in vLLM's profile run (CUDA path only).
+
+``warm_up(layer, projected, decode_graphs)`` runs from the mixer's profile / dummy run (no requests, no state),
+once per process and layer signature, on scratch pools, through the layer's real prefill and decode paths
+(``Mamba2Mixer.run_prefill_block`` / ``run_decode_rows``), so that:
+
+* mamba-ssm's SSD kernels are autotuned before the state pools take the memory the autotuner's trial runs need,
+  and on layouts as large as a real step (``prefill_layouts``): without this the first prefill of a process
+  pays for it (on the H200 the first mixed step of a 7b-shape run took 29.6 s, benchmarks/RESULTS.md);
+* every Triton specialisation a step can hit is compiled before serving, and before vLLM captures FULL decode
+  graphs: a JIT compile must not happen inside a capture (``decode_step.ssu_warm_batches``).
+As vLLM's in-tree Mamba2 does with its ``_warmup_ssd_kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import varlen_plan
+from .decode_step import ssu_warm_batches
+
+# Layer signatures already warmed in this process. Keyed by what the Triton kernels specialise on, not one flag
+# per process: two engines of different shapes or state dtypes in one process (tests, notebooks) each need
+# their own compiles before their captures.
+_WARMED_PREFILL: set = set()
+_WARMED_DECODE: set = set()
+
+
+def warm_up(layer, projected: torch.Tensor, decode_graphs: bool) -> None:
+    """The prefill kernels, and with ``decode_graphs`` (FULL decode graphs will be captured) the decode ones.
+    projected: the profile run's projection (max tokens, projection width)."""
+    warm_prefill(layer, projected)
+    if decode_graphs:
+        warm_decode(layer, projected)
+
+
+def _signature(layer, projected: torch.Tensor) -> tuple:
+    return (str(projected.device), projected.dtype, projected.shape[-1], *layer.get_state_dtype(),
+            layer.num_heads, layer.head_dim, layer.n_groups, layer.state_size, layer.conv_kernel,
+            layer.conv1d.bias is not None)
+
+
+def warm_prefill(layer, projected: torch.Tensor) -> None:
+    """Every layout of ``prefill_layouts`` through the layer's prefill path, once per layer signature."""
+    sig = (*_signature(layer, projected), layer.chunk_size, layer.dt_limit)
+    if sig in _WARMED_PREFILL:
+        return
+    layouts = prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, projected.shape[0])
+    conv_pool, ssm_pool = layer.scratch_pools(1 + max(len(lengths) for lengths, _ in layouts), projected.device)
+    for lengths, resumed in layouts:
+        layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
+                                conv_pool, ssm_pool)
+    _sync(projected.device)
+    _WARMED_PREFILL.add(sig)
+
+
+def warm_decode(layer, projected: torch.Tensor) -> None:
+    """The decode step at every batch size of ``ssu_warm_batches`` (Triton's integer specialisations, == 1,
+    other, multiple of 16, under every state-update launch the table can pick for this layer), on scratch state
+    laid out like the real inputs (slices of a projection); rows share 16 scratch slots (what they compute is
+    thrown away). Once per layer signature."""
+    sig = (*_signature(layer, projected), layer.dt_limit_is_noop)
+    if sig in _WARMED_DECODE:
+        return
+    num_slots = 17  # slot 0 stays untouched, rows cycle through 1..16
+    conv_pool, ssm_pool = layer.scratch_pools(num_slots, projected.device)
+    for bs in ssu_warm_batches(layer.num_heads, layer.head_dim, layer.state_size, ssm_pool.dtype):
+        slots = torch.arange(bs, device=projected.device) % (num_slots - 1) + 1
+        layer.run_decode_rows(projected.new_zeros(bs, projected.shape[-1]), slots, conv_pool, ssm_pool)
+    _sync(projected.device)
+    _WARMED_DECODE.add(sig)
+
+
+def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
+    """(sequence lengths, resumes-a-state flags) of the packed batches ``warm_prefill`` runs.
+
+    First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: three
+    layouts filling it, one per call signature of the SSD kernels. mamba-ssm's SSD kernels are autotuned once per
+    key of head, state and chunk sizes -- not length -- and tensor dtypes (an argument given or None counts), on
+    the arguments of that signature's first call, and that choice then serves every step; tuned on two chunks,
+    ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the GPU time is (H200, 2.7b:
+    111 vs 86 us per layer). So: two fresh prompts (the packed call), a resumed first sequence ending inside
+    chunk 0 (state passing with an initial state; the varlen final-state kernel) and a resumed second sequence
+    (its rerun: the kernels without seq_idx). Their intermediates are allocated inside the profile run that
+    sizes the state pools, as a real step of that size allocates them.
+
+    Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
+    (== 1, a multiple of 16, other) and pointer alignments. In the SSD kernels the integers that change from
+    step to step are the packed length T, the chunk count and strides that are multiples of T, so the
+    specialisation of a step is fixed by (chunk count: 1 / 16k / other) x (T mod 16: 0 / 8 / 4 / 2 / 1 decide
+    which multiples of T are divisible by 16) x (path: one fresh prompt, fresh prompts with a boundary inside a
+    chunk, a resumed first sequence ending inside chunk 0 or on a chunk boundary). The chunk count reaches 16
+    only in steps of more than 15 chunks, so that class is warmed only when the budget allows such steps.
+
+    Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), up to
+    ``max_rerun`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the batched correction)."""
+    cs, reruns, many = chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
+    layouts = [
+        ([tokens // 2, tokens - tokens // 2], [False, False]),  # the packed call (seq_idx, no initial state)
+        ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
+        ([1, tokens - 1], [False, True]),  # a rerun: the kernels without seq_idx, with an initial state
+    ] if tokens > 2 * cs else []
+    for chunks in [1, 2] + ([16] if tokens >= 15 * cs + 32 else []):
+        for residue in (0, 8, 4, 2, 1):
+            T = (chunks - 1) * cs + 16 + residue  # chunk_size is a multiple of 16 (64, 128, 256 in practice)
+            cut = T // 2 if (T // 2) % cs else T // 2 - 1  # a boundary inside a chunk
+            first = min(37, T - 1)
+            layouts += [([T], [False]), ([cut, T - cut], [False, False]), ([first, T - first], [True, False])]
+            if chunks > 1:
+                layouts.append(([cs, T - cs], [True, False]))  # resumed first sequence ending on a chunk
+    return layouts + [
+        ([1], [False]),
+        ([1], [True]),
+        ([cs + 5, 2], [False, False]),
+        (reruns + [cs], [True] * len(reruns) + [False]),
+        ([20] * many, [True] * many),
+    ]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":  # (the tests run the warm-up on the CPU, with stand-ins for the kernels)
+        torch.cuda.synchronize(dev)
