@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -145,8 +146,6 @@ class Server:
             return float("nan")
 
     def stop(self) -> None:
-        import signal
-
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -361,7 +360,11 @@ def main(argv=None) -> int:
     report = dict(requests=args.requests, concurrency=args.concurrency, server_args=server_args, env=args.env,
                   oracle_s=round(time.time() - t0, 1), exact=0, completed=0, disconnected=0, wrong=[],
                   near_ties=[], errors=[], bad_inputs=[])
+    # The server runs in its own session (a Ctrl-C at the terminal is the harness's to handle), so a harness ended
+    # by SIGTERM (a `timeout`, a CI cancel) must stop it itself: Python's default SIGTERM action skips `finally`.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     server = Server(args.model, server_args, args.log, dict(e.split("=", 1) for e in args.env))
+    print(f"server: pid {server.proc.pid}, log {args.log}", file=sys.stderr, flush=True)
     try:
         serve_and_check(args, server, server_args, cfg, bases, reqs, probe, answers, report)
     finally:

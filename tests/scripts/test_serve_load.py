@@ -6,8 +6,10 @@ without a tokenizer."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +55,26 @@ def test_bad_inputs_with_a_tokenizer(g4_model, tmp_path):
                                        "--bad-inputs"], [])
     assert report["exact"] == 24
     assert all(b["names_problem"] and b["next_request_exact"] for b in report["bad_inputs"])
+
+
+def test_a_terminated_harness_stops_its_server(g4_model, tmp_path):
+    """The server runs in its own session; a harness ended by SIGTERM (a `timeout`, a CI cancel) still stops it,
+    rather than leaving an engine holding the GPU for the next run."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve_load.py"), "--model", g4_model, "--requests", "4",
+           "--log", str(tmp_path / "server.log"), "--", "--max-model-len", "512", "--skip-tokenizer-init"]
+    harness = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    line = harness.stderr.readline()
+    assert line.startswith("server: pid "), line
+    pid = int(line.split()[2].rstrip(","))
+    os.kill(pid, 0)  # running
+    harness.send_signal(signal.SIGTERM)
+    assert harness.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pid, signal.SIGKILL)
+    pytest.fail("the server outlived the harness")
