@@ -7,10 +7,13 @@
 #   GPU_BENCH=1 GPU_BENCH_ARGS="..." bash scripts/gpu-test.sh   # + benchmarks/throughput.py, if present
 #
 # Planning (H200, 10-minute calls; a call costs its wall time plus ~60-90 s of start-up and transfers):
-# setup 45-60 s (110 s when causal-conv1d is built); tests/kernels with MAMBA_DETERMINISTIC=1 ~200 s; each engine
-# test of tests/gpu 15-200 s (the first one in a process pays the compiles); tests/kernels/cuda/test_serving_steps.py
-# 20-120 s; scripts/serve_load.py with the tiny serving model: 45-160 s of server start-up (autotuning on a cold
-# cache) plus ~10 s of load; a throughput.py cell pair 250-400 s. Run fp32 engine tests with MAMBA_DETERMINISTIC=1:
+# setup 45-70 s (110 s when causal-conv1d is built). Triton compiles dominate on a fresh machine (nothing is cached):
+# with MAMBA_DETERMINISTIC=1 the first test of a process that runs the SSD kernels takes ~150 s, so tests/kernels
+# needs more than 330 s cold (test_ssd_prefill + test_conv + test_warmup: ~135 s after a server run compiled the
+# same kernels); the first engine test of tests/gpu more than 170 s; tests/kernels/cuda/test_serving_steps.py
+# 20-120 s; scripts/serve_load.py with the tiny serving model: 180-240 s of server start-up cold (~80 s with a
+# carried triton-autotune.tgz and warm compiles) plus ~10 s of load -- give it `timeout` >= 300; a throughput.py
+# cell pair 250-400 s. Run fp32 engine tests with MAMBA_DETERMINISTIC=1:
 # otherwise every warm-up layout is autotuned and one engine test can take minutes.
 #
 # Logs go to $OUT (what the device tool brings back; at most 8 files come back) or /tmp/gpu-out:
