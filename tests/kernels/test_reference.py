@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from vllm_mamba2_plugin.kernels.reference import (
     causal_conv1d,
+    conv_states_at,
     conv_update,
     gated_rms_norm,
     process_dt,
@@ -237,6 +238,53 @@ def test_ssd_chunk_scan_chunk_size_invariant_and_empty_sequence():
 
 
 # ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_size", [4, 8])
+def test_ssd_chunk_scan_boundary_states_match_the_recurrence(chunk_size):
+    """boundary_offsets: the state after the first o tokens of each sequence (prefix caching keeps them at block
+    boundaries), whatever the offsets' relation to the chunk: equal to the oracle's final state of that prefix.
+    Outputs and final states are unchanged by asking."""
+    torch.manual_seed(3000 + chunk_size)
+    lens = [3 * chunk_size + 5, 7, chunk_size, 0, 2 * chunk_size]
+    x, dt, A, B, C = ssm_inputs(sum(lens), 2)
+    has = torch.tensor([True, False, True, False, False])
+    init = garbage_initial((len(lens), H, P, N), has)
+    offsets = [[chunk_size, 2 * chunk_size, 3 * chunk_size + 5], [1, 6], [chunk_size], [], [3, 2 * chunk_size]]
+    y, fin, at = ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has, boundary_offsets=offsets)
+    y0, fin0 = ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has)
+    assert_close(y, y0)
+    assert_close(fin, fin0)
+    assert at.shape == (sum(map(len, offsets)), H, P, N) and at.dtype == torch.float32
+    want, starts = [], cu_of(lens).tolist()
+    for s, offs in enumerate(offsets):
+        for o in offs:
+            a = starts[s]
+            _, f = oracle_ssm(x[a: a + o], dt[a: a + o], A, B[a: a + o], C[a: a + o], [o],
+                              [init[s] if has[s] else None])
+            want.append(f[0])
+    assert_close(at, torch.stack(want))
+    with pytest.raises(ValueError, match="outside a sequence"):
+        ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has, boundary_offsets=[[0]] + offsets[1:])
+
+
+def test_conv_states_at_boundaries_match_the_recurrence():
+    """The conv state after the first o tokens: the last W-1 inputs, reaching into the initial state (or zeros)
+    for o < W-1; the oracle's final conv state of that prefix."""
+    torch.manual_seed(3100)
+    W, Dm, lens = 4, 6, [9, 2, 5]
+    u = torch.randn(sum(lens), Dm)
+    has = torch.tensor([True, True, False])
+    init = garbage_initial((3, W - 1, Dm), has)
+    offsets = [[1, 4, 9], [2], [1, 5]]
+    got = conv_states_at(u, cu_of(lens), W, offsets, init, has)
+    want, starts = [], cu_of(lens).tolist()
+    for s, offs in enumerate(offsets):
+        for o in offs:
+            _, f = oracle_conv(u[starts[s]: starts[s] + o], torch.randn(Dm, W), None, [o],
+                               [init[s] if has[s] else None])
+            want.append(f[0])
+    assert torch.equal(got.double(), torch.stack(want))  # copies of inputs: exact
+
+
 # causal_conv1d / conv_update
 # ------------------------------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ State layouts match what vLLM allocates per slot (docs/architecture.md §2):
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "plan_prefill",
     "ssd_chunk_scan",
     "causal_conv1d",
+    "conv_states_at",
     "conv_update",
     "ssm_state_update",
     "process_dt",
@@ -141,7 +143,8 @@ def ssd_chunk_scan(
     dt_bias: Optional[torch.Tensor] = None,
     dt_limit: Tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype = torch.float32,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
+):
     """Chunked SSD scan over a packed varlen batch.
 
     x: (T, H, P)  dt: (T, H) already processed (softplus(dt+bias), clamped) -- positive step sizes; or raw
@@ -154,6 +157,10 @@ def ssd_chunk_scan(
     D: (H,) (or (H, P)) or None -> y += D[h] * x
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (computed in float32)
     Tokens outside [cu_seqlens[0], cu_seqlens[-1]) (e.g. padding) get y = 0.
+    boundary_offsets: per sequence, token counts 0 < o <= its length (ascending); then a third result,
+    (M, H, P, N) in state_dtype: the state after the first o tokens of each, in order (M offsets in all).
+    (Prefix caching keeps the states at block boundaries.) They are the states entering chunks: the chunk
+    length is cut to divide every offset, which changes the cost, not the result.
 
     Recurrence: h_t = exp(dt_t*A) h_{t-1} + dt_t * x_t ⊗ B_t ; y_t = h_t · C_t (+ D x_t).
 
@@ -183,6 +190,8 @@ def ssd_chunk_scan(
     # than a chunk, one chunk of the longest length avoids padding short prompts to the model's chunk_size
     # (the quadratic intra-chunk part would otherwise cost chunk_size^2 per chunk).
     cs = max(1, min(cs, max(lens, default=1)))
+    if boundary_offsets is not None:
+        cs = _boundary_chunk(cs, lens, boundary_offsets)
     nch = [(n + cs - 1) // cs for n in lens]
     n_chunks = sum(nch)
     max_nch = max(nch, default=0)
@@ -192,6 +201,9 @@ def ssd_chunk_scan(
     h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
 
     if n_chunks == 0:
+        if boundary_offsets is not None:
+            none = h0.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
+            return x.new_zeros(T, H, P), h0.to(state_dtype, copy=True), none
         return x.new_zeros(T, H, P), h0.to(state_dtype, copy=True)
 
     # ---- gather tokens into (c, l) chunk layout; index T points at an all-zero pad row ----------------
@@ -262,7 +274,26 @@ def ssd_chunk_scan(
     # Scatter back to packed order; every pad position writes the dummy row T, which is dropped.
     y = torch.zeros(T + 1, H, P, dtype=f32, device=dev)
     y[tok.reshape(-1)] = Y.reshape(n_chunks * cs, H, P)
-    return y[:T].to(x.dtype), final_states.to(state_dtype)
+    if boundary_offsets is None:
+        return y[:T].to(x.dtype), final_states.to(state_dtype)
+    # The state after o tokens of sequence s enters its chunk o // cs (the final state when o is its length).
+    entering = torch.stack(incoming + [h], dim=1).view(S, max_nch + 1, H, P, N)
+    rows = [(s, o // cs) for s, offs in enumerate(boundary_offsets) for o in offs]
+    at = entering[[r for r, _ in rows], [k for _, k in rows]] if rows else entering.new_zeros(0, H, P, N)
+    return y[:T].to(x.dtype), final_states.to(state_dtype), at.to(state_dtype)
+
+
+def _boundary_chunk(cs: int, lens: list, boundary_offsets) -> int:
+    """The largest chunk length <= cs that divides every boundary offset (checked against the lengths)."""
+    if len(boundary_offsets) != len(lens):
+        raise ValueError(f"boundary_offsets has {len(boundary_offsets)} entries for {len(lens)} sequences")
+    g = cs
+    for n, offs in zip(lens, boundary_offsets):
+        for o in offs:
+            if not 0 < o <= n:
+                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
+            g = math.gcd(g, o)
+    return g
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -352,6 +383,35 @@ def causal_conv1d(
     final_rows = end_row[:, None] - K + torch.arange(K, device=dev)[None, :]  # (S, K)
     final_states = ext[final_rows.reshape(-1)].view(S, K, Dm).to(x.dtype)
     return out, final_states
+
+
+def conv_states_at(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    width: int,
+    boundary_offsets: Sequence[Sequence[int]],
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The conv state after the first o tokens of each sequence, for each o of ``boundary_offsets`` (per
+    sequence, 0 < o <= its length): its last W-1 inputs, reaching into the initial state when o < W-1.
+
+    x: (T, D) conv inputs  cu_seqlens: (S+1,)  initial_states: (S, W-1, D) or None  has_initial_state: (S,)
+    returns (M, W-1, D) in x.dtype, in the order of the offsets (M in all). (Prefix caching keeps them at
+    block boundaries.)"""
+    cu = _seq_lens(cu_seqlens)
+    S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
+    if len(boundary_offsets) != S:
+        raise ValueError(f"boundary_offsets has {len(boundary_offsets)} entries for {S} sequences")
+    init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    out = []
+    for s, offs in enumerate(boundary_offsets):
+        seq = torch.cat([init[s], x[cu[s]: cu[s + 1]]])  # (K + len, D): the state rows, then the inputs
+        for o in offs:
+            if not 0 < o <= cu[s + 1] - cu[s]:
+                raise ValueError(f"boundary offset {o} outside a sequence of {cu[s + 1] - cu[s]} tokens")
+            out.append(seq[o: o + K])
+    return torch.stack(out) if out else x.new_zeros(0, K, Dm)
 
 
 def conv_update(

@@ -211,8 +211,8 @@ def test_ssu_warm_batches_reach_every_launch_the_table_can_pick(H, state_dtype):
 def test_decode_warmup_runs_the_warm_batches(kern, monkeypatch):
     """warmup.warm_decode (profile run) runs the decode step at every batch size of
     decode_step.ssu_warm_batches for its shape and pool dtype, once per layer signature; rows beyond the 16
-    scratch slots reuse them. "fake": a two-tile table patched in for a tiny shape; "cuda": the 2.7b shape on fp32 pools, the
-    real table and kernels (both tiles of the fp32 entry, batches up to 160 on 16 slots)."""
+    scratch slots reuse them. "fake": a two-tile table patched in for a tiny shape; "cuda": the 2.7b shape on
+    fp32 pools, the real table and kernels (both tiles of the fp32 entry, batches up to 160 on 16 slots)."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     fake = kern.name == "fake"
