@@ -248,7 +248,8 @@ def metrics(url: str) -> dict:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc"):
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
         vals = [float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)]
         if vals:
             out[name] = sum(vals)
@@ -432,6 +433,11 @@ def summarize(args, report) -> list:
         fails.append("not every request was accounted for")
     if not report.get("healthy_after"):
         fails.append("the server was not healthy afterwards")
+    if "--enable-prefix-caching" in report["server_args"]:
+        # The prompts are prefixes of a few base sequences: a prefix cache that never hits is broken.
+        m = report.get("metrics_after") or {}
+        if not m.get("prefix_cache_hits_total"):
+            fails.append(f"prefix caching is on but nothing hit the cache ({m})")
     for key in ("metrics_after", "metrics_after_bad"):
         m = report.get(key)
         if m is None:

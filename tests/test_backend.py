@@ -8,7 +8,7 @@ import torch
 from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadataBuilder, split_decodes_first
 
 
-def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None):
+def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None, spec=None):
     """A builder for one group of layers: ``layers`` maps layer names to (conv pool, ssm pool)."""
     layers = layers or {"l0": (torch.zeros(0), torch.zeros(0))}
     hf_config = SimpleNamespace(chunk_size=chunk, conv_kernel=4)
@@ -17,7 +17,7 @@ def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None):
                                   scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                                   compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture,
                                                                      static_forward_context=ctx))
-    return Mamba2PluginMetadataBuilder(None, list(layers), vllm_config, torch.device("cpu"))
+    return Mamba2PluginMetadataBuilder(spec, list(layers), vllm_config, torch.device("cpu"))
 
 
 def _cam(query_lens, context_lens, slots):
@@ -169,3 +169,24 @@ def test_capture_rows_leave_the_states_alone(full_graphs):
     pools = {"l0": (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2))}
     _builder(layers=pools).build_for_cudagraph_capture(_cam([1, 1], [0, 0], [0, 0]))
     assert all(bool((p == 1).all()) for p in pools["l0"])
+
+
+def test_prefix_caching_reads_the_last_block_and_lists_the_boundaries_a_prefill_crosses():
+    """With prefix caching (blocks of 4 tokens here) a row's running state is in the block of its last token
+    (the runner copied the previous state there), and each prefill row lists the boundaries before that block
+    that its tokens cross: offset (b + 1) * 4 - context in this step's tokens, and block b's slot."""
+    spec = SimpleNamespace(mamba_cache_mode="align", block_size=4)
+    qlens, ctx = [1, 1, 9, 3, 5], [4, 6, 0, 8, 2]  # decode crossing into block 1; decode; fresh 9; resumed; mid
+    cam = _cam(qlens, ctx, [0] * 5)
+    cam.block_table_tensor = torch.arange(100, 100 + 5 * 4, dtype=torch.int32).view(5, 4)  # row r: 100+4r+b
+    meta = _builder(spec=spec).build(0, cam)
+    # last token's block: (seq_len - 1) // 4 with seq_lens 5, 7, 9, 11, 7
+    assert meta.state_indices_d.tolist() == [101, 105]
+    assert meta.state_indices_p.tolist() == [110, 114, 117]
+    # fresh 9 tokens: boundaries 4, 8 (blocks 0, 1; its last block is 2); resumed at 8 with 3: none before
+    # its last block (2); from 2 with 5 (to 7): the boundary at 4 (block 0), offset 2
+    assert meta.boundary_offsets_p == [[4, 8], [], [2]]
+    assert meta.boundary_slots_p.tolist() == [108, 109, 116]
+    plain = _builder().build(0, _cam(qlens, ctx, [7, 2, 5, 9, 3]))
+    assert plain.boundary_offsets_p is None and plain.boundary_slots_p is None
+    assert plain.state_indices_p.tolist() == [5, 9, 3]

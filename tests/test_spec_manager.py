@@ -24,6 +24,6 @@ def test_spec_is_a_mamba_spec_with_the_state_sizes():
     assert spec.page_size_bytes == 3 * 160 * 2 + 8 * 16 * 16 * 4
 
 
-def test_manager_refuses_prefix_caching_modes():
-    with pytest.raises(ValueError, match="mamba_cache_mode='none' only.*--enable-prefix-caching"):
-        Mamba2StateManager(_spec(mamba_cache_mode="align"), SimpleNamespace())
+def test_manager_refuses_modes_it_does_not_implement():
+    with pytest.raises(ValueError, match="mamba_cache_mode 'none' and 'align'.*got 'all'"):
+        Mamba2StateManager(_spec(mamba_cache_mode="all"), SimpleNamespace())

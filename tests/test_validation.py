@@ -12,14 +12,16 @@ from vllm_mamba2_plugin import tiny_model
 from vllm_mamba2_plugin.validation import UnsupportedOptionError, check_hf_config
 
 REFUSED = {
-    "prefix_caching": (dict(enable_prefix_caching=True), "prefix caching.*--enable-prefix-caching"),
+    "prefix_caching_block": (dict(enable_prefix_caching=True, block_size=12),
+                             "--block-size 12 with prefix caching.*multiple of the model's SSD chunk size \\(8\\)"),
+    "prefix_caching_mamba_block": (dict(enable_prefix_caching=True, block_size=16, mamba_block_size=8),
+                                   "--mamba-block-size 8 != --block-size 16"),
     "spec_decode": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding"),
     "tensor_parallel": (dict(tensor_parallel_size=2), "tensor parallelism.*tensor_parallel_size=1"),
     "pipeline_parallel": (dict(pipeline_parallel_size=2), "pipeline parallelism"),
     "lora": (dict(enable_lora=True), "LoRA.*--enable-lora"),
     "quantization": (dict(quantization="fp8"), "quantized weights.*unquantized"),
-    "mamba_cache_align": (dict(mamba_cache_mode="align"), "mamba_cache_mode='align'"),
 }
 
 
@@ -54,8 +56,25 @@ def test_bad_plugin_switch_is_refused_at_config_time(var, value, pattern, tiny_d
 
 
 def test_refusal_reaches_the_llm_user(tiny_dir):
-    with pytest.raises(Exception, match="vllm-mamba2-plugin: prefix caching"):
-        make_llm(tiny_dir, enable_prefix_caching=True)
+    with pytest.raises(Exception, match="vllm-mamba2-plugin: --block-size 12 with prefix caching"):
+        make_llm(tiny_dir, enable_prefix_caching=True, block_size=12)
+
+
+def test_prefix_caching_is_refused_off_the_cpu(tiny_dir):
+    """The CUDA path does not keep block-boundary states yet (docs/prefix-caching.md): refused, not half-run."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_mamba2_plugin.validation import check_engine_options
+
+    cfg = EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, enable_prefix_caching=True,
+                     block_size=8).create_engine_config()
+    assert cfg.cache_config.mamba_cache_mode == "align" and cfg.cache_config.mamba_block_size == 8
+    check_engine_options(cfg)  # the CPU: accepted
+    cfg.device_config = SimpleNamespace(device_type="cuda")
+    with pytest.raises(UnsupportedOptionError, match="prefix caching on cuda.*--enable-prefix-caching"):
+        check_engine_options(cfg)
 
 
 def _config(**changes):

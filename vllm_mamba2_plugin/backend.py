@@ -36,6 +36,8 @@ replay would advance those requests' states a second time.
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from . import compat, envs
@@ -84,6 +86,10 @@ class Mamba2PluginMetadata:
     has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
     prefill_plan: object = None  # kernels.plan_prefill of the prefill block (CUDA kernels; None otherwise)
     any_initial_state_p: bool = True  # host copy of has_initial_state_p.any(): False lets layers skip state reads
+    # Prefix caching: per prefill row, the token counts (within this step's tokens of the row) after which a block
+    # boundary's state is kept, and the (M,) int64 slots of those blocks, in the same order. None without.
+    boundary_offsets_p: Optional[list] = None
+    boundary_slots_p: Optional[torch.Tensor] = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -120,6 +126,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
         # FULL decode graphs: one persistent slot buffer, as large as the largest captured decode batch.
         self.full_decode_graphs = envs.full_decode_graphs()
+        # Prefix caching (mamba_cache_mode "align", docs/prefix-caching.md): a request's running state is in the
+        # block of its last token; the blocks of the boundaries a prefill step crosses keep their states.
+        self.prefix_caching = getattr(kv_cache_spec, "mamba_cache_mode", "none") == "align"
+        self.block_size = int(kv_cache_spec.block_size) if self.prefix_caching else 0
         self.decode_graph_max_bs = 0
         if self.full_decode_graphs:
             max_bs = vllm_config.scheduler_config.max_num_seqs
@@ -159,7 +169,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefills = num_reqs - num_decodes
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
-        slots = cam.block_table_tensor[:num_reqs, 0].to(torch.int64)
+        slots = self._running_slots(cam, num_reqs)
         plan, any_init = None, False
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
@@ -179,6 +189,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
                 self.chunk_size, self.conv_width, self.device,
             )
         slots_d = slots[:num_decodes]
+        offsets, boundary_slots = (self._boundaries(cam, num_decodes, context_lens, seq_lens_cpu)
+                                   if self.prefix_caching and num_prefills else (None, None))
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
@@ -192,7 +204,33 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             has_initial_state_p=has_init_p,
             prefill_plan=plan,
             any_initial_state_p=any_init,
+            boundary_offsets_p=offsets,
+            boundary_slots_p=boundary_slots,
         )
+
+    def _running_slots(self, cam, num_rows: int) -> torch.Tensor:
+        """(num_rows,) int64: the slot holding each row's running state. Without prefix caching a request owns
+        one block; with it, the block of its last token (the runner copied the state there)."""
+        table = cam.block_table_tensor[:num_rows]
+        if not self.prefix_caching:
+            return table[:, 0].to(torch.int64)
+        col = ((cam.seq_lens[:num_rows].to(torch.int64) - 1) // self.block_size).clamp(min=0)
+        return table.gather(1, col[:, None]).view(-1).to(torch.int64)
+
+    def _boundaries(self, cam, num_decodes: int, context_lens, seq_lens_cpu):
+        """Per prefill row, the offsets (tokens of this step) of the block boundaries it crosses before its last
+        block, and the slots of those blocks (each keeps the state after (b + 1) * block_size tokens)."""
+        bs, offsets, rows, cols = self.block_size, [], [], []
+        for r in range(num_decodes, int(seq_lens_cpu.numel())):
+            c, e = int(context_lens[r]), int(seq_lens_cpu[r])
+            blocks = range(c // bs, -(-e // bs) - 1)
+            offsets.append([(b + 1) * bs - c for b in blocks])
+            rows += [r] * len(blocks)
+            cols += list(blocks)
+        if not rows:
+            return offsets, None
+        idx = torch.tensor([rows, cols], dtype=torch.int64).to(cam.block_table_tensor.device)
+        return offsets, cam.block_table_tensor[idx[0], idx[1]].to(torch.int64)
 
     def _build_graph_decode(self, cam, query_lens, context_lens, capture: bool):
         """Metadata for a batch that a FULL decode graph may replay: every real row one token, then only the
@@ -207,7 +245,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         if not capture:
             self._zero_fresh_slots(cam.block_table_tensor, torch.nonzero(context_lens[:num_real] == 0).view(-1))
         slots, slots_i32 = self._graph_slots[:num_reqs], self._graph_slots_i32[:num_reqs]
-        slots[:num_real].copy_(cam.block_table_tensor[:num_real, 0], non_blocking=True)
+        slots[:num_real].copy_(self._running_slots(cam, num_real), non_blocking=True)
         slots[num_real:].fill_(PAD_SLOT)
         slots_i32.copy_(slots)
         return Mamba2PluginMetadata(
@@ -231,7 +269,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return
         dev = block_table.device
         rows = fresh_rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fresh_rows.to(dev)
-        slots = block_table[:, 0].index_select(0, rows).to(torch.int64)
+        slots = block_table[:, 0].index_select(0, rows).to(torch.int64)  # a fresh row's last token is in block 0
         layers = self.vllm_config.compilation_config.static_forward_context
         for name in self.layer_names:
             for pool in compat.layer_states(layers[name]):

@@ -1,22 +1,34 @@
 """Mamba2StateManager: the cache manager for Mamba2StateSpec.
 
-vLLM's MambaManager already does what the plugin needs with mamba_cache_mode "none": each running request
-owns exactly one block, which is its state slot, and the slot goes back to the pool when the request ends.
-This subclass pins that contract: it refuses the prefix-caching modes ("all"/"align"), which the plugin's
-kernels do not implement (they would need per-block state checkpoints), instead of letting them half-run.
+Without prefix caching (mamba_cache_mode "none") vLLM's MambaManager does what the plugin needs: each running
+request owns exactly one block, which is its state slot, and the slot goes back to the pool when the request
+ends.
+
+With prefix caching the config asks vLLM for "align" (docs/prefix-caching.md): the scheduler then ends prefill
+chunks on block boundaries and the runner copies the state of the last computed token's block into the block of
+the step's last token. vLLM's align manager would leave the blocks in between null, keeping one state per
+scheduled chunk; this manager allocates a block for every boundary instead -- MambaManager's allocation outside
+"align", which both supported releases keep -- and frees each block once a later one holds the request's
+state, keeping its hash, so it stays a cache hit until evicted.
 """
 
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
 from .spec import Mamba2StateSpec
 
+# MambaManager's non-"align" paths: one block per block_size tokens, blocks before the last computed token freed
+# (0.26 calls this mode "all"; 0.32 keeps its code paths under any mode other than "align").
+EVERY_BOUNDARY = "all"
+
 
 class Mamba2StateManager(MambaManager):
     def __init__(self, kv_cache_spec: Mamba2StateSpec, *args, **kwargs) -> None:
         mode = getattr(kv_cache_spec, "mamba_cache_mode", "none")
-        if mode != "none":
+        if mode not in ("none", "align"):
             raise ValueError(
-                f"vllm-mamba2-plugin supports mamba_cache_mode='none' only (got {mode!r}): "
-                "prefix caching is not supported yet; run without --enable-prefix-caching"
+                f"vllm-mamba2-plugin supports mamba_cache_mode 'none' and 'align' (got {mode!r}): leave "
+                "--mamba-cache-mode unset"
             )
         super().__init__(kv_cache_spec, *args, **kwargs)
+        if mode == "align":
+            self.mamba_cache_mode = EVERY_BOUNDARY

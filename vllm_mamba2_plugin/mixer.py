@@ -133,7 +133,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                 self._gated_norm(k, y_d, z[:nd], out=out[:nd])
             y_p = self._prefill_step(k, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state, ssm_state,
                                      meta.state_indices_p, meta.query_start_loc_p, meta.has_initial_state_p,
-                                     meta.any_initial_state_p, meta.prefill_plan)
+                                     meta.any_initial_state_p, meta.prefill_plan,
+                                     boundaries=(meta.boundary_offsets_p, meta.boundary_slots_p))
             self._gated_norm(k, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
         if out.shape[0] > n_tok:
             out[n_tok:] = 0
@@ -163,13 +164,20 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
         return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan):
+    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan,
+                      boundaries=(None, None)):
         """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
         sequence starting from its slot's state where has_init says so; final states written back by slot.
-        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read)."""
+        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read). boundaries: prefix
+        caching's (offsets per row, slots): the states after those tokens are written to those slots too."""
+        offsets, boundary_slots = boundaries
+        conv_init = conv_state.index_select(0, slots) if any_init else None
+        if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
+            conv_state.index_copy_(0, boundary_slots, k.conv_states_at(
+                xBC, qsl, self.conv_kernel, offsets, conv_init, has_init if any_init else None).to(conv_state.dtype))
         xBC_p, conv_final = k.causal_conv1d(
             xBC, self._conv_weight(), self.conv1d.bias, qsl,
-            initial_states=conv_state.index_select(0, slots) if any_init else None,
+            initial_states=conv_init,
             has_initial_state=has_init if any_init else None,
             activation="silu", plan=plan,
         )
@@ -179,13 +187,17 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         x_p, B_p, C_p = self._split_xbc(xBC_p)
         # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
         # and returns the final states in the pool's dtype.
-        y_p, ssm_final = k.ssd_chunk_scan(
+        scan = k.ssd_chunk_scan(
             x_p, dt, self.A, B_p, C_p, self.chunk_size, qsl,
             initial_states=ssm_state.index_select(0, slots) if any_init else None,
             has_initial_state=has_init if any_init else None, D=self.D,
             plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
+            **({} if boundary_slots is None else {"boundary_offsets": offsets}),
         )
+        y_p, ssm_final = scan[0], scan[1]
         ssm_state.index_copy_(0, slots, ssm_final)
+        if boundary_slots is not None:
+            ssm_state.index_copy_(0, boundary_slots, scan[2])
         return y_p
 
     def _gated_norm(self, k, y, z, out=None):

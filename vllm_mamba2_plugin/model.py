@@ -75,8 +75,12 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
         return compat.state_dtypes(vllm_config.model_config, vllm_config.cache_config)
 
     @classmethod
-    def get_mamba_state_copy_func(cls):
+    def get_mamba_state_copy_func(cls):  # 0.26's runner: copies a state between blocks (prefix caching)
         return compat.mamba2_state_copy_funcs()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types):  # 0.32's runner: the same, per Mamba type
+        return {t: compat.mamba2_state_copy_funcs() for t in mamba_types}
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()

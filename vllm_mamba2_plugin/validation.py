@@ -28,11 +28,13 @@ def check_engine_options(vllm_config) -> None:
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
-    if cache.enable_prefix_caching:
-        _refuse("prefix caching (enable_prefix_caching=True)",
-                "Run without --enable-prefix-caching (or pass enable_prefix_caching=False).")
-    if getattr(cache, "mamba_cache_mode", "none") not in (None, "none"):
-        _refuse(f"mamba_cache_mode={cache.mamba_cache_mode!r}", "Leave --mamba-cache-mode at 'none'.")
+    if cache.enable_prefix_caching and vllm_config.device_config.device_type != "cpu":
+        _refuse(f"prefix caching on {vllm_config.device_config.device_type} (enable_prefix_caching=True; the "
+                "CPU path has it)", "Run without --enable-prefix-caching (or pass enable_prefix_caching=False).")
+    if getattr(cache, "mamba_cache_mode", "none") not in (None, "none", "align"):
+        _refuse(f"mamba_cache_mode={cache.mamba_cache_mode!r}",
+                "Leave --mamba-cache-mode unset: with --enable-prefix-caching the plugin keeps a state at every "
+                "block boundary itself.")
     if vllm_config.speculative_config is not None:
         _refuse("speculative decoding (speculative_config)", "Remove --speculative-config.")
     if par.tensor_parallel_size > 1:
@@ -94,6 +96,34 @@ class Mamba2PluginConfig(VerifyAndUpdateConfig):
         check_hf_config(vllm_config.model_config.hf_config)
         patches.install()  # the front end's request checks (patches.py)
         cache = vllm_config.cache_config
-        # One block per request holds its whole state: the block must span the longest request.
-        if getattr(cache, "mamba_block_size", None) is None:
-            cache.mamba_block_size = vllm_config.model_config.max_model_len
+        if cache.enable_prefix_caching:
+            _configure_prefix_caching(vllm_config)
+        else:
+            # One block per request holds its whole state: the block must span the longest request.
+            cache.mamba_cache_mode = "none"
+            if getattr(cache, "mamba_block_size", None) is None:
+                cache.mamba_block_size = vllm_config.model_config.max_model_len
+
+
+def _configure_prefix_caching(vllm_config) -> None:
+    """A state per block boundary (docs/prefix-caching.md): vLLM's "align" scheduling and runner copies, blocks of
+    one SSD chunk by default (any multiple with --block-size), the Mamba block equal to the KV block."""
+    cache, chunk = vllm_config.cache_config, int(vllm_config.model_config.hf_config.chunk_size)
+    if not vllm_config.scheduler_config.enable_chunked_prefill:
+        _refuse("prefix caching without chunked prefill", "Drop --no-enable-chunked-prefill.")
+    if not getattr(cache, "user_specified_block_size", False) or cache.block_size is None:
+        cache.block_size = chunk
+    elif cache.block_size % chunk:
+        _refuse(f"--block-size {cache.block_size} with prefix caching",
+                f"Use a multiple of the model's SSD chunk size ({chunk}), or leave --block-size unset.")
+    if cache.mamba_block_size not in (None, cache.block_size):
+        _refuse(f"--mamba-block-size {cache.mamba_block_size} != --block-size {cache.block_size}",
+                "Leave --mamba-block-size unset: the plugin's Mamba block is the KV-cache block.")
+    cache.mamba_cache_mode = "align"
+    cache.mamba_block_size = cache.block_size
+    # vLLM 0.32 keeps, by default, only the states at each prompt's last boundary and at shared-prefix junctions
+    # it has seen (prefix_cache_retention_interval 0): a request sharing just a system prompt with an earlier one
+    # would miss. None keeps every boundary's state, which is this plugin's contract (freed blocks stay
+    # evictable, so it costs no capacity).
+    if hasattr(cache, "prefix_cache_retention_interval"):
+        cache.prefix_cache_retention_interval = None

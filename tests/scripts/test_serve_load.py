@@ -57,6 +57,19 @@ def test_bad_inputs_with_a_tokenizer(g4_model, tmp_path):
     assert all(b["names_problem"] and b["next_request_exact"] for b in report["bad_inputs"])
 
 
+@pytest.mark.slow
+def test_server_under_load_with_prefix_caching(g4_model, tmp_path):
+    """The same load with --enable-prefix-caching: the prompts are prefixes of a few base sequences, so most
+    requests start from a cached block-boundary state; every token still equals the oracle's."""
+    report = _run(g4_model, tmp_path, ["--requests", "160", "--concurrency", "16", "--warmup-requests", "8",
+                                       "--tail-requests", "16", "--max-prompt", "100"],
+                  ["--skip-tokenizer-init", "--enable-prefix-caching"])
+    assert report["exact"] == 160 and not report["wrong"] and not report["near_ties"]
+    m = report["metrics_after"]
+    assert m["prefix_cache_hits_total"] > 0.3 * m["prefix_cache_queries_total"], m
+    assert m["kv_cache_usage_perc"] == 0 and report["healthy_after"]
+
+
 def test_a_terminated_harness_stops_its_server(g4_model, tmp_path):
     """The server runs in its own session; a harness ended by SIGTERM (a `timeout`, a CI cancel) still stops it,
     rather than leaving an engine holding the GPU for the next run."""

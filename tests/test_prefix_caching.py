@@ -1,0 +1,103 @@
+"""Prefix caching of Mamba2 state (docs/prefix-caching.md) on the CPU: a state per block boundary, reused exactly.
+
+Every greedy token is compared with the float64 recurrence (tests/oracle.py), with and without cache hits; the
+hit lengths are checked against the ideal (the deepest block boundary a request can start from), so a cache that
+silently misses fails as well as one that resumes from a wrong state.
+"""
+
+import pytest
+
+from conftest import make_llm, random_prompts
+
+MAX_TOKENS = 6
+
+
+def _generate(llm, prompts):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def _assert_exact(oracle, prompts, tokens):
+    for p, got in zip(prompts, tokens):
+        want = oracle.generate(p, MAX_TOKENS)[0]
+        assert got == want, f"prompt of {len(p)} tokens: {got} != oracle {want}"
+
+
+def _shared_prefix_prompts(system_len, suffixes, vocab, seed):
+    system = random_prompts([system_len], vocab, seed)[0]
+    return [system + s for s in random_prompts(suffixes, vocab, seed + 1)]
+
+
+@pytest.mark.parametrize("variant, budget", [("g1", 16), ("g8_bias", 64)])
+def test_shared_prefixes_hit_at_every_block_boundary_and_stay_exact(variant, budget, model_dirs, oracles):
+    """Prompts sharing a system prompt of 2.5 blocks (g8_bias: blocks of 4 tokens, conv width 3, a dt limit),
+    prefilled in chunks cut by the token budget; then the same prompts again in another order, and longer
+    prompts that extend earlier ones (a conversation's next turn, reaching past blocks cached during decode).
+    The first request computes every block; each later one starts from its deepest cached boundary."""
+    llm = make_llm(model_dirs[variant], enable_prefix_caching=True, max_num_batched_tokens=budget)
+    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    assert bs == llm.llm_engine.vllm_config.model_config.hf_config.chunk_size  # the default: one SSD chunk
+    system_len = 2 * bs + bs // 2
+    prompts = _shared_prefix_prompts(system_len, [3, 1, 2 * bs + 1, bs], 500, seed=5)
+
+    tokens, cached = _generate(llm, prompts[:1])
+    _assert_exact(oracles[variant], prompts[:1], tokens)
+    assert cached == [0]
+    tokens, cached = _generate(llm, prompts[::-1])
+    _assert_exact(oracles[variant], prompts[::-1], tokens)
+    own = {len(prompts[0]): (len(prompts[0]) - 1) // bs * bs}  # its own earlier run
+    for p, c in zip(prompts[::-1], cached):
+        assert c >= (system_len // bs) * bs, (len(p), c)  # at least the shared blocks
+        assert c == own.get(len(p), c) and c % bs == 0 and c < len(p)
+
+    turns = [p + t for p, t in zip(prompts, tokens[::-1])]  # prompt + its answer: blocks completed in decode
+    more = [t + s for t, s in zip(turns, random_prompts([5] * len(turns), 500, seed=7))]
+    tokens, cached = _generate(llm, more)
+    _assert_exact(oracles[variant], more, tokens)
+    # The previous run fed its prompt and all but its last generated token: blocks within those are cached.
+    assert cached == [(len(t) - 1) // bs * bs for t in turns], cached
+
+
+def test_a_prefix_shorter_than_two_blocks_is_reused(model_dirs, oracles):
+    """A shared prefix of one block and a few tokens: one block of hit, exact."""
+    llm = make_llm(model_dirs["g1"], enable_prefix_caching=True, max_num_batched_tokens=16)
+    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = _shared_prefix_prompts(bs + 3, [4, 9], 500, seed=11)
+    _generate(llm, prompts[:1])
+    tokens, cached = _generate(llm, prompts[1:])
+    _assert_exact(oracles["g1"], prompts[1:], tokens)
+    assert cached == [bs]
+
+
+def test_identical_prompts_in_one_batch_and_after_eviction(model_dirs, oracles):
+    """Identical prompts in one step (a block hashed in this step is no hit for its neighbour until computed),
+    then enough other prompts to evict the cached blocks from a small pool, then the first prompts again."""
+    llm = make_llm(model_dirs["g1"], enable_prefix_caching=True, max_num_batched_tokens=32,
+                   num_gpu_blocks_override=48, max_num_seqs=4)
+    prompts = _shared_prefix_prompts(40, [2, 2, 2, 2], 500, seed=13)
+    prompts[1] = prompts[0]
+    tokens, _ = _generate(llm, prompts)
+    _assert_exact(oracles["g1"], prompts, tokens)
+    others = random_prompts([60] * 8, 500, seed=17)
+    tokens, _ = _generate(llm, others)
+    _assert_exact(oracles["g1"], others, tokens)
+    tokens, cached = _generate(llm, prompts)
+    _assert_exact(oracles["g1"], prompts, tokens)
+    assert min(cached) < 40, cached  # the shared blocks were evicted (else this test proves nothing)
+
+
+def test_prefix_cache_counters_count_mamba_hits(model_dirs):
+    """vLLM's prefix-cache counters count the plugin's hits: a shared prefix of just over one block."""
+    llm = make_llm(model_dirs["g1"], enable_prefix_caching=True, max_num_batched_tokens=16,
+                   disable_log_stats=False)
+    bs = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = _shared_prefix_prompts(bs + 2, [3, 5], 500, seed=19)
+    _generate(llm, prompts[:1])
+    _generate(llm, prompts[1:])
+    metrics = {m.name: m for m in llm.get_metrics()}
+    queries, hits = metrics["vllm:prefix_cache_queries"].value, metrics["vllm:prefix_cache_hits"].value
+    assert hits == bs and queries == sum(map(len, prompts)), (queries, hits)
