@@ -200,3 +200,36 @@ def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype
     for s in range(len(lens)):
         a, b = int(cu[s]), int(cu[s + 1])
         assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
+    """boundary_offsets (prefix caching's block boundaries, per sequence): the states after those tokens, from one
+    forward per sequence with offsets (chunk multiples: the states entering its chunks; its last offset: the
+    row's final state), or a forward per offset that is not a chunk multiple. Against the reference's (itself
+    checked against the float64 recurrence, tests/kernels/test_reference.py), with the raw-dt call form; the
+    outputs and final states are unchanged by asking."""
+    c = case(kern, name)
+    cs = c.cs
+    lens = [3 * cs + 5, 7, 2 * cs, 1]
+    flags = [True, False, True, False]
+    # bf16: chunk multiples only; f32 also an offset inside a chunk (its own forward) and a sequence's last token
+    aligned, mixed = [[cs, 2 * cs, 3 * cs], [], [cs, 2 * cs], []], [[cs, cs + 3, 3 * cs + 5], [3], [cs, 2 * cs], []]
+    offsets = aligned if dtype == BF16 else mixed
+    x, _, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=8)
+    g = gen(9)
+    raw = rnd(g, sum(lens), c.H).to(kern.dev, dtype)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    h0 = garbage_states(gen(10), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
+                                          boundary_offsets=offsets)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+                                   boundary_offsets=offsets)
+    t = tol(kern, "ssd", dtype)
+    assert at.shape == at_r.shape == (sum(map(len, offsets)), c.H, c.P, c.N) and at.dtype == F32
+    assert_close(at, at_r, t, "boundary states")
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")

@@ -3,7 +3,8 @@
 The same functions, signatures and semantics as ``kernels/reference.py`` (read it for the contract and the
 notation). One module per op, each with its upstream limits and the reasons for its call plan:
 
-    ssd_prefill.py    plan_prefill, ssd_chunk_scan   packed SSD scan; per-sequence initial states (the paths)
+    ssd_prefill.py    plan_prefill, ssd_chunk_scan   packed SSD scan; per-sequence initial states (the paths);
+                                                     prefix caching's block-boundary states
     conv.py           causal_conv1d, conv_update     causal-conv1d forward (prefill) and update (decode)
     decode_step.py    ssm_state_update               selective_state_update with measured launch tiles
     norm.py           gated_rms_norm                 mamba-ssm's gated RMSNorm kernel
@@ -16,6 +17,7 @@ Importing this package imports neither mamba_ssm nor causal_conv1d (``upstream.k
 call): plugin import and ``register()`` must not touch CUDA.
 """
 
+from ..reference import conv_states_at  # noqa: F401  (plain torch: a gather of conv inputs)
 from ..reference import process_dt  # noqa: F401  (plain torch; the mixer's prefill path lets the SSD kernel do it)
 from .conv import causal_conv1d, conv_update
 from .decode_step import ssm_state_update
@@ -32,4 +34,5 @@ __all__ = [
     "process_dt",
     "gated_rms_norm",
     "warm_up",
+    "conv_states_at",
 ]

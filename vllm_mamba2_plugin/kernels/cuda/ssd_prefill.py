@@ -41,7 +41,7 @@ built by the metadata builder from host bounds, uploaded once); without one, bui
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -79,7 +79,8 @@ def ssd_chunk_scan(
     dt_bias: Optional[torch.Tensor] = None,
     dt_limit: Tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype = torch.float32,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
+):
     """Chunked SSD scan over a packed varlen batch (contract: reference.ssd_chunk_scan; paths: module doc).
 
     x: (T, H, P)  dt: (T, H) processed, or raw with dt_bias (H,) (the kernel then computes
@@ -91,6 +92,8 @@ def ssd_chunk_scan(
     correction; has_initial_state still selects the returned states of empty sequences.
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
     kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
+    boundary_offsets: prefix caching's block boundaries (contract: reference); then also the (M, H, P, N) states
+    there, in state_dtype (``_boundary_states``).
     """
     T, H, P = x.shape
     N = B.shape[-1]
@@ -102,8 +105,10 @@ def ssd_chunk_scan(
         raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
     S = plan.S
     if not plan.nonempty:
-        return x.new_zeros(T, H, P), _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N),
-                                                       state_dtype, dev)
+        result = x.new_zeros(T, H, P), _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N),
+                                                         state_dtype, dev)
+        no_states = x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
+        return result if boundary_offsets is None else (*result, no_states)
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
     native = plan.native_first(initial_states is not None)
     out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
@@ -118,7 +123,40 @@ def ssd_chunk_scan(
             fin_k = fin_k.to(torch.float32)
             out = add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
                                     initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
-    return _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
+    result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
+    if boundary_offsets is None:
+        return result
+    return (*result, _boundary_states(fwd, plan, initial_states, boundary_offsets, state_dtype, (H, P, N)))
+
+
+def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):
+    """The states after the first o tokens of each sequence, for each o of boundary_offsets (per sequence).
+
+    One forward per sequence that has offsets, over its tokens up to its last offset, as one batch row from its
+    own initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
+    o tokens, o a multiple of the chunk, is the state entering chunk o / chunk (``states``, after state passing,
+    in C's dtype), and after all of them the row's final state (float32). An offset that is not a multiple of
+    the chunk (a step that began inside a chunk) takes a forward of its own, ending there. Prefix caching's
+    prefill steps start on block boundaries, which are chunk multiples, so one forward per sequence is the rule."""
+    cs, out = fwd.chunk_size, []
+    for s, offs in enumerate(boundary_offsets):
+        if not offs:
+            continue
+        a = plan.cu[s]
+        h0 = initial_states[s: s + 1] if initial_states is not None and plan.init_flags[s] else None
+        kw = {} if h0 is None else {"initial_states": h0}
+        last = max(offs)
+        res = fwd(a, a + last, **kw) if all(o % cs == 0 or o == last for o in offs) else None
+        for o in offs:
+            if res is not None and o == last:
+                out.append(res[5][0])
+            elif res is not None:
+                out.append(res[4][0, o // cs])
+            else:
+                out.append(fwd(a, a + o, **kw)[5][0])
+    if not out:
+        return torch.zeros(0, *hpn, dtype=state_dtype, device=fwd.x.device)
+    return torch.stack([t.to(state_dtype) for t in out])
 
 
 class _Forward:
