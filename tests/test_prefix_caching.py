@@ -101,3 +101,14 @@ def test_prefix_cache_counters_count_mamba_hits(model_dirs):
     metrics = {m.name: m for m in llm.get_metrics()}
     queries, hits = metrics["vllm:prefix_cache_queries"].value, metrics["vllm:prefix_cache_hits"].value
     assert hits == bs and queries == sum(map(len, prompts)), (queries, hits)
+
+
+def test_a_block_of_two_chunks(model_dirs, oracles):
+    """--block-size a multiple of the chunk (here 2 chunks): hits at its boundaries only, still exact."""
+    llm = make_llm(model_dirs["g8_bias"], enable_prefix_caching=True, max_num_batched_tokens=16, block_size=8)
+    assert llm.llm_engine.vllm_config.cache_config.mamba_block_size == 8
+    prompts = _shared_prefix_prompts(19, [2, 6], 500, seed=23)
+    _generate(llm, prompts[:1])
+    tokens, cached = _generate(llm, prompts[1:])
+    _assert_exact(oracles["g8_bias"], prompts[1:], tokens)
+    assert cached == [16]

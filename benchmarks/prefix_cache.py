@@ -1,0 +1,147 @@
+"""Prefix caching: many requests sharing a long system prompt, with and without the cache; plugin and in-tree.
+
+    python benchmarks/prefix_cache.py --model 2.7b --out $OUT            # the H200 measurement
+    python benchmarks/prefix_cache.py --model tiny --smoke                # the harness itself, on a CPU
+
+One worker process per (implementation, caching mode), one after the other (vLLM loads plugins once per process;
+in-tree runs with VLLM_PLUGINS=""). Models: random weights in the shapes of benchmarks/throughput.py. Workload:
+a random system prompt of --system tokens; one request with it first (it fills the cache), then --requests
+requests, each the system prompt and a unique suffix of --suffix-min..--suffix-max tokens, submitted at once,
+greedy, --new tokens each. Reported per worker, over the batch: wall time, output and total tok/s, mean time to
+first token (vLLM's histogram), prefix-cache queries and hits against the ideal (per request the system prompt
+rounded down to a block), and the memory the cached states take (blocks holding a hash x bytes per block).
+Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
+--intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all").
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from throughput import write_config  # noqa: E402  (the shared model shapes)
+
+
+def metric_totals(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif m.name == "vllm:time_to_first_token_seconds":
+            count, total = out.get("ttft", (0, 0.0))
+            out["ttft"] = (count + m.count, total + m.sum)
+    return out
+
+
+def cached_state_bytes(llm):
+    """Blocks that hold a hash (cached states, in use or evictable) x bytes per block over all layers; None where
+    this vLLM's internals differ (the engine must run in process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        cfg = sched.kv_cache_config
+        per_block = sum(t.size for t in cfg.kv_cache_tensors) / cfg.num_blocks
+        cached = sum(1 for b in pool.blocks if getattr(b, "block_hash", None) is not None)
+        return int(cached * per_block)
+    except Exception:  # another release's layout: not reported
+        return None
+
+
+def worker(job: dict) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    g = torch.Generator().manual_seed(0)
+    vocab = job["vocab"]
+    system = torch.randint(3, vocab, (job["system"],), generator=g).tolist()
+    lens = torch.randint(job["suffix_min"], job["suffix_max"] + 1, (job["requests"],), generator=g).tolist()
+    prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    kwargs = dict(model=job["model_dir"], dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
+                  max_model_len=job["system"] + job["suffix_max"] + job["new"] + 16, seed=0,
+                  max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
+                  enable_prefix_caching=job["mode"] != "off", disable_log_stats=False)
+    if job["mode"] not in ("off", "on"):
+        kwargs["mamba_cache_mode"] = job["mode"]
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = 0.85
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=system + [5])], params, use_tqdm=False)  # fills the cache
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    before = metric_totals(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = metric_totals(llm)
+    new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    count = after.get("ttft", (0, 0.0))[0] - before.get("ttft", (0, 0.0))[0]
+    total = after.get("ttft", (0, 0.0))[1] - before.get("ttft", (0, 0.0))[1]
+    hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
+    ideal = len(prompts) * (job["system"] // block * block)
+    return dict(impl=job["impl"], mode=job["mode"], block=block, wall_s=round(wall, 3),
+                output_tok_s=round(new_tokens / wall, 1),
+                total_tok_s=round((new_tokens + sum(map(len, prompts))) / wall, 1),
+                mean_ttft_ms=round(1000 * total / count, 2) if count else None,
+                queries=after.get("vllm:prefix_cache_queries", 0) - before.get("vllm:prefix_cache_queries", 0),
+                hits=hits, ideal_hits=ideal, hit_share_of_ideal=round(hits / ideal, 3) if ideal else None,
+                cached_state_bytes=cached_state_bytes(llm))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="2.7b", help="a shape of benchmarks/throughput.py (MODELS)")
+    ap.add_argument("--impls", default="plugin,intree")
+    ap.add_argument("--modes", default="off,on", help="off, on (each implementation's default caching mode)")
+    ap.add_argument("--intree-modes", default="", help="extra in-tree mamba_cache_mode values, e.g. align")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--suffix-min", type=int, default=64)
+    ap.add_argument("--suffix-max", type=int, default=256)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--smoke", action="store_true", help="a tiny workload: checks the harness on a CPU")
+    ap.add_argument("--out", default=None, help="append one JSON line per worker here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.smoke:
+        args.requests, args.system, args.suffix_min, args.suffix_max, args.new = 8, 40, 4, 12, 4
+        args.max_num_seqs, args.max_num_batched_tokens = 8, 64
+    from throughput import MODELS
+
+    root = tempfile.mkdtemp()
+    model_dir = write_config(args.model, root)
+    if args.smoke:  # a chunk the tiny workload spans several times
+        cfg_path = os.path.join(model_dir, "config.json")
+        cfg = dict(json.load(open(cfg_path)), chunk_size=8)
+        json.dump(cfg, open(cfg_path, "w"))
+    jobs = [(impl, mode) for impl in args.impls.split(",") for mode in args.modes.split(",")]
+    jobs += [("intree", m) for m in args.intree_modes.split(",") if m and "intree" in args.impls]
+    for impl, mode in jobs:
+        job = dict(impl=impl, mode=mode, model_dir=model_dir, vocab=MODELS[args.model]["vocab_size"],
+                   **{k: getattr(args, k) for k in ("requests", "system", "suffix_min", "suffix_max", "new",
+                                                     "max_num_seqs", "max_num_batched_tokens")})
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if impl == "intree":
+            env["VLLM_PLUGINS"] = ""
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
+                              capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        result = json.loads(lines[-1][7:]) if lines else dict(impl=impl, mode=mode, error=proc.stderr[-2000:])
+        result.update(model=args.model, command=" ".join(sys.argv))
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
