@@ -284,16 +284,22 @@ def ssd_chunk_scan(
 
 
 def _boundary_chunk(cs: int, lens: list, boundary_offsets) -> int:
-    """The largest chunk length <= cs that divides every boundary offset (checked against the lengths)."""
+    """The largest chunk length <= cs that divides every boundary offset."""
+    _check_offsets(lens, boundary_offsets)
+    for offs in boundary_offsets:
+        for o in offs:
+            cs = math.gcd(cs, o)
+    return cs
+
+
+def _check_offsets(lens: list, boundary_offsets) -> None:
+    """One list of offsets per sequence, each 0 < o <= the sequence's length."""
     if len(boundary_offsets) != len(lens):
         raise ValueError(f"boundary_offsets has {len(boundary_offsets)} entries for {len(lens)} sequences")
-    g = cs
     for n, offs in zip(lens, boundary_offsets):
         for o in offs:
             if not 0 < o <= n:
                 raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
-            g = math.gcd(g, o)
-    return g
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -401,16 +407,12 @@ def conv_states_at(
     block boundaries.)"""
     cu = _seq_lens(cu_seqlens)
     S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
-    if len(boundary_offsets) != S:
-        raise ValueError(f"boundary_offsets has {len(boundary_offsets)} entries for {S} sequences")
+    _check_offsets([b - a for a, b in zip(cu[:-1], cu[1:])], boundary_offsets)
     init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
     out = []
     for s, offs in enumerate(boundary_offsets):
         seq = torch.cat([init[s], x[cu[s]: cu[s + 1]]])  # (K + len, D): the state rows, then the inputs
-        for o in offs:
-            if not 0 < o <= cu[s + 1] - cu[s]:
-                raise ValueError(f"boundary offset {o} outside a sequence of {cu[s + 1] - cu[s]} tokens")
-            out.append(seq[o: o + K])
+        out += [seq[o: o + K] for o in offs]
     return torch.stack(out) if out else x.new_zeros(0, K, Dm)
 
 
