@@ -112,3 +112,22 @@ def test_a_block_of_two_chunks(model_dirs, oracles):
     tokens, cached = _generate(llm, prompts[1:])
     _assert_exact(oracles["g8_bias"], prompts[1:], tokens)
     assert cached == [16]
+
+
+def test_bf16_weights_and_states_with_cache_hits(model_dirs, oracles):
+    """bf16 weights and bf16 states: the cached boundary states are stored in bf16 like every state, so tokens are
+    compared check_logprobs_close-style (where the greedy tokens first differ, each side's token is in the
+    other's top-5), for requests that started from cached states."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from conftest import top5_containment
+
+    llm = make_llm(model_dirs["g1"], dtype="bfloat16", enable_prefix_caching=True, max_num_batched_tokens=16)
+    prompts = _shared_prefix_prompts(21, [3, 9, 14], 500, seed=29)
+    _generate(llm, prompts[:1])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[1:]], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [16, 16]
+    matched = top5_containment(oracles["g1"], prompts[1:], outs, MAX_TOKENS)
+    assert matched >= 0.5 * MAX_TOKENS * 2, matched
