@@ -35,7 +35,6 @@ replay would advance those requests' states a second time.
 """
 
 from dataclasses import dataclass
-
 from typing import Optional
 
 import torch

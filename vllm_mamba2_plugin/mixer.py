@@ -171,14 +171,13 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read). boundaries: prefix
         caching's (offsets per row, slots): the states after those tokens are written to those slots too."""
         offsets, boundary_slots = boundaries
+        flags = has_init if any_init else None
         conv_init = conv_state.index_select(0, slots) if any_init else None
         if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
             conv_state.index_copy_(0, boundary_slots, k.conv_states_at(
-                xBC, qsl, self.conv_kernel, offsets, conv_init, has_init if any_init else None).to(conv_state.dtype))
+                xBC, qsl, self.conv_kernel, offsets, conv_init, flags).to(conv_state.dtype))
         xBC_p, conv_final = k.causal_conv1d(
-            xBC, self._conv_weight(), self.conv1d.bias, qsl,
-            initial_states=conv_init,
-            has_initial_state=has_init if any_init else None,
+            xBC, self._conv_weight(), self.conv1d.bias, qsl, initial_states=conv_init, has_initial_state=flags,
             activation="silu", plan=plan,
         )
         # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
@@ -189,8 +188,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         # and returns the final states in the pool's dtype.
         scan = k.ssd_chunk_scan(
             x_p, dt, self.A, B_p, C_p, self.chunk_size, qsl,
-            initial_states=ssm_state.index_select(0, slots) if any_init else None,
-            has_initial_state=has_init if any_init else None, D=self.D,
+            initial_states=ssm_state.index_select(0, slots) if any_init else None, has_initial_state=flags, D=self.D,
             plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
             **({} if boundary_slots is None else {"boundary_offsets": offsets}),
         )
