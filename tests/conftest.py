@@ -75,12 +75,25 @@ _ENGINES: dict = {}
 _MAX_LIVE = 2
 
 
+_CUDA_ENGINES: list = []
+
+
 def make_llm(model_dir: str, **kwargs):
+    """An fp32 eager engine with small limits. On CUDA each takes 4 % of the GPU (tiny models) and is kept alive
+    for the whole session: a released in-process engine's memory goes back to the driver only when a later
+    engine's start-up empties the CUDA cache, and if that lands inside the later engine's memory profiling vLLM
+    0.26 aborts ("Error in memory profiling ... free memory" rose)."""
     from vllm import LLM
 
     opts = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0)
+    if HAS_CUDA:
+        opts["gpu_memory_utilization"] = 0.04
+        torch.cuda.empty_cache()  # earlier engines' freed temporaries go back before this one's snapshot
     opts.update(kwargs)
-    return LLM(model=model_dir, **opts)
+    llm = LLM(model=model_dir, **opts)
+    if HAS_CUDA:
+        _CUDA_ENGINES.append(llm)
+    return llm
 
 
 def engine(model_dir: str, **kwargs):

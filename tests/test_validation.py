@@ -60,21 +60,15 @@ def test_refusal_reaches_the_llm_user(tiny_dir):
         make_llm(tiny_dir, enable_prefix_caching=True, block_size=12)
 
 
-def test_prefix_caching_is_refused_off_the_cpu(tiny_dir):
-    """The CUDA path does not keep block-boundary states yet (docs/prefix-caching.md): refused, not half-run."""
-    from types import SimpleNamespace
-
+def test_prefix_caching_configures_align_with_blocks_of_the_chunk(tiny_dir):
+    """Prefix caching: vLLM's "align" scheduling, the Mamba block equal to the KV block, dense retention."""
     from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_mamba2_plugin.validation import check_engine_options
 
     cfg = EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, enable_prefix_caching=True,
                      block_size=8).create_engine_config()
-    assert cfg.cache_config.mamba_cache_mode == "align" and cfg.cache_config.mamba_block_size == 8
-    check_engine_options(cfg)  # the CPU: accepted
-    cfg.device_config = SimpleNamespace(device_type="cuda")
-    with pytest.raises(UnsupportedOptionError, match="prefix caching on cuda.*--enable-prefix-caching"):
-        check_engine_options(cfg)
+    cache = cfg.cache_config
+    assert cache.mamba_cache_mode == "align" and cache.mamba_block_size == cache.block_size == 8
+    assert getattr(cache, "prefix_cache_retention_interval", None) is None
 
 
 def _config(**changes):

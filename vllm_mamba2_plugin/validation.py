@@ -28,9 +28,6 @@ def check_engine_options(vllm_config) -> None:
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
-    if cache.enable_prefix_caching and vllm_config.device_config.device_type != "cpu":
-        _refuse(f"prefix caching on {vllm_config.device_config.device_type} (enable_prefix_caching=True; the "
-                "CPU path has it)", "Run without --enable-prefix-caching (or pass enable_prefix_caching=False).")
     if getattr(cache, "mamba_cache_mode", "none") not in (None, "none", "align"):
         _refuse(f"mamba_cache_mode={cache.mamba_cache_mode!r}",
                 "Leave --mamba-cache-mode unset: with --enable-prefix-caching the plugin keeps a state at every "

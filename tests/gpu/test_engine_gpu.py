@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts, top5_containment
 from oracle import oracle_generate
@@ -35,22 +34,13 @@ _LLMS = {}
 
 
 def _llm(model_dir, **kw):
-    """One engine per (model, options, FULL-graph switch), kept alive for the whole session.
-
-    Engines are never released here: a released in-process engine's memory goes back to the driver only
-    when a later engine's start-up empties the CUDA cache, and if that lands inside the later engine's memory
-    profiling vLLM 0.26 aborts ("Error in memory profiling ... free memory" rose: seen on the H200 when the
-    CUDA-graph test ran after three eager engines). Tiny models at 4 % of the GPU each fit many times over."""
+    """One engine per (model, options, FULL-graph switch), shared by the tests (make_llm keeps CUDA engines alive
+    for the whole session: see there why)."""
     from vllm_mamba2_plugin import envs
 
     key = (model_dir, repr(sorted(kw.items())), envs.full_decode_graphs())
     if key not in _LLMS:
-        # Cached blocks of earlier engines' freed temporaries go back now, before this engine's memory snapshot.
-        torch.cuda.empty_cache()
-        # Tiny models: a small share of the GPU, so that all of them (and the in-tree subprocess) fit.
-        opts = dict(gpu_memory_utilization=0.04, max_num_seqs=16)
-        opts.update(kw)
-        _LLMS[key] = make_llm(model_dir, **opts)
+        _LLMS[key] = make_llm(model_dir, **dict(dict(max_num_seqs=16), **kw))
     return _LLMS[key]
 
 
