@@ -3,6 +3,7 @@
     python benchmarks/throughput.py --models 130m --modes graph,eager --out /tmp/bench
     python benchmarks/throughput.py --models 2.7b,7b --modes graph --out $OUT --md benchmarks/RESULTS.md
     python benchmarks/throughput.py --models 2.7b --modes eager --interleave --out $OUT   # host-bound cells
+    python benchmarks/throughput.py --models grid --modes graph --workloads decode --batches 256 --out $OUT
 
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
@@ -72,7 +73,20 @@ MODELS = {
                  vocab_size=512),  # --smoke only: checks the harness on a CPU
     "7b": dict(hidden_size=4096, num_hidden_layers=64, num_heads=128, head_dim=64, n_groups=8, state_size=128,
                vocab_size=32768),
+    # The decode grid's other shapes (--models grid): head_dim 64 / 128, d_state 64 / 128, n_groups 1 / 4 / 8,
+    # 24-64 layers. Named hidden-layers-head_dim-groups-state.
+    "3072-48-p128-g4-n128": dict(hidden_size=3072, num_hidden_layers=48, num_heads=48, head_dim=128, n_groups=4,
+                                 state_size=128, vocab_size=65536),
+    "2048-48-p128-g8-n64": dict(hidden_size=2048, num_hidden_layers=48, num_heads=32, head_dim=128, n_groups=8,
+                                state_size=64, vocab_size=32768),
+    "1536-32-p64-g4-n64": dict(hidden_size=1536, num_hidden_layers=32, num_heads=48, head_dim=64, n_groups=4,
+                               state_size=64, vocab_size=50288),
+    "4096-32-p128-g1-n128": dict(hidden_size=4096, num_hidden_layers=32, num_heads=64, head_dim=128, n_groups=1,
+                                 state_size=128, vocab_size=50288),
 }
+# --models grid: the shapes of the decode grid (run with --workloads decode --batches 256 --modes graph).
+GRID = ["130m", "2.7b", "7b", "3072-48-p128-g4-n128", "2048-48-p128-g8-n64", "1536-32-p64-g4-n64",
+        "4096-32-p128-g1-n128"]
 DECODE = dict(prompt=512, new=256, mid=32, batches=[1, 64, 256])
 PROFILE_NEW = 64  # new tokens in the profiled decode run: ~17 mixed steps, ~48 steady full-batch steps, the tail
 PREFILL = dict(prompt=4096, new=1, batch=16, repeats=3)  # timed runs of the prefill cell: the median is reported
@@ -459,7 +473,7 @@ class Worker:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="130m")
+    ap.add_argument("--models", default="130m", help=f"comma-separated names of MODELS, or grid ({', '.join(GRID)})")
     ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-piecewise, plugin-jit-launch, intree")
     ap.add_argument("--modes", default="graph,eager")
     ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
@@ -517,7 +531,8 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
 
-    for model in args.models.split(","):
+    models = GRID if args.models == "grid" else args.models.split(",")
+    for model in models:
         model_dir = write_config(model, args.out)
         for mode in args.modes.split(","):
             # graph-mode variants of the plugin only in graph mode

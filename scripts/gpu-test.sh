@@ -8,12 +8,14 @@
 #
 # Planning (H200, 10-minute calls; a call costs its wall time plus ~60-90 s of start-up and transfers):
 # setup 45-70 s (110 s when causal-conv1d is built). Triton compiles dominate on a fresh machine (nothing is cached):
-# with MAMBA_DETERMINISTIC=1 the first test of a process that runs the SSD kernels takes ~150 s, so tests/kernels
-# needs more than 330 s cold (test_ssd_prefill + test_conv + test_warmup: ~135 s after a server run compiled the
-# same kernels); the first engine test of tests/gpu more than 170 s; tests/kernels/cuda/test_serving_steps.py
-# 20-120 s; scripts/serve_load.py with the tiny serving model: 180-240 s of server start-up cold (~80 s with a
-# carried triton-autotune.tgz and warm compiles) plus ~10 s of load -- give it `timeout` >= 300; a throughput.py
-# cell pair 250-400 s. Run fp32 engine tests with MAMBA_DETERMINISTIC=1:
+# with MAMBA_DETERMINISTIC=1 every new (dtype, shape family) of the SSD kernels costs ~100-150 s of compiles, so
+# tests/kernels cannot run in one call cold: split it by file (test_norm + the boundary-state cases of
+# test_ssd_prefill + test_end_to_end + test_serving_steps + test_triton_launch: ~390 s; test_ssd_prefill + test_conv
+# + test_warmup: ~135 s after a server run compiled the same kernels). tests/gpu: ~380 s for the prefix-caching
+# file and the first six engine tests, a bf16 engine ~120 s of it; the in-tree test compiles vLLM's own kernels in a
+# subprocess (give it a call's remainder of >= 200 s). scripts/serve_load.py with the tiny serving model: 180-240 s
+# of server start-up cold (~80 s with a carried triton-autotune.tgz and warm compiles) plus ~10 s of load -- give it
+# `timeout` >= 300; a throughput.py cell pair 250-400 s. Run fp32 engine tests with MAMBA_DETERMINISTIC=1:
 # otherwise every warm-up layout is autotuned and one engine test can take minutes.
 #
 # Logs go to $OUT (what the device tool brings back; at most 8 files come back) or /tmp/gpu-out:

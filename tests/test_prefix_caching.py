@@ -98,9 +98,10 @@ def test_prefix_cache_counters_count_mamba_hits(model_dirs):
     prompts = _shared_prefix_prompts(bs + 2, [3, 5], 500, seed=19)
     _generate(llm, prompts[:1])
     _generate(llm, prompts[1:])
-    metrics = {m.name: m for m in llm.get_metrics()}
-    queries, hits = metrics["vllm:prefix_cache_queries"].value, metrics["vllm:prefix_cache_hits"].value
-    assert hits == bs and queries == sum(map(len, prompts)), (queries, hits)
+    series = [m for m in llm.get_metrics() if m.name.startswith("vllm:prefix_cache_")]
+    queries = sum(m.value for m in series if m.name == "vllm:prefix_cache_queries")
+    hits = sum(m.value for m in series if m.name == "vllm:prefix_cache_hits")
+    assert hits == bs and queries == sum(map(len, prompts)), (queries, hits, series)
 
 
 def test_preemption_of_requests_with_cached_prefixes(model_dirs, oracles):
