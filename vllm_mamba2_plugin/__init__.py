@@ -45,4 +45,20 @@ def register() -> None:
     # Piecewise CUDA graphs split the compiled model at these ops; ours reads per-step state and metadata.
     if MIXER_OP not in CompilationConfig._attention_ops:
         CompilationConfig._attention_ops.append(MIXER_OP)
+    _register_mamba_ssm_format()
     _registered = True
+
+
+def _register_mamba_ssm_format() -> None:
+    """mamba_ssm's checkpoints (state-spaces/mamba2-*): --config-format mamba_ssm, and found by "auto" through the
+    "hf" slot (patches.py, 2; mamba_ssm_format.py)."""
+    from vllm.transformers_utils import config as vllm_config_utils
+
+    from .mamba_ssm_format import FORMAT, parser_classes
+
+    mamba_ssm_parser, hf_or_mamba_ssm_parser = parser_classes()
+    parsers = vllm_config_utils._CONFIG_FORMAT_TO_CONFIG_PARSER
+    parsers[FORMAT] = mamba_ssm_parser
+    if not getattr(parsers["hf"], "detects_mamba_ssm", False):
+        hf_or_mamba_ssm_parser.detects_mamba_ssm = True
+        parsers["hf"] = hf_or_mamba_ssm_parser

@@ -10,6 +10,18 @@ only when the plugin serves the model), is idempotent, and acts only on engines 
    device-side assert on CUDA, an index error on the CPU, and the engine dies for every client.
    Verified: vLLM 0.26.0 (GPU) and 0.32.0 (CPU): ``tests/test_patches.py``, ``scripts/serve_load.py --bad-inputs``.
    Delete when: vLLM itself refuses out-of-range ids with and without a tokenizer in every supported release.
+
+2. Config detection of mamba_ssm checkpoints (``vllm.transformers_utils.config._CONFIG_FORMAT_TO_CONFIG_PARSER``).
+   What: ``register()`` (every process, since it decides which config a model gets) puts the mamba_ssm parser under
+   the format "mamba_ssm" and a subclass of vLLM's ``HFConfigParser`` under "hf" that hands a config.json without
+   ``model_type`` but with ``d_model`` / ``n_layer`` to the mamba_ssm parser (``mamba_ssm_format.py``) and every
+   other config to vLLM's own parse.
+   Why: ``--config-format auto`` picks "hf" whenever a config.json exists, and HF's parser cannot read mamba_ssm's
+   config.json (no ``model_type``); without this, a state-spaces checkpoint would need ``--config-format mamba_ssm``.
+   The entries are set directly, not through ``register_config_parser``, which logs a warning for the replaced "hf"
+   slot in every process.
+   Verified: vLLM 0.32.0 (CPU): ``tests/test_mamba_ssm_format.py``. The same names exist in 0.26.0.
+   Delete when: vLLM's "auto" detection asks registered parsers, or vLLM reads mamba_ssm configs itself.
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs

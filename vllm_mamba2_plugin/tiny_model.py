@@ -6,7 +6,7 @@ a byte-level BPE tokenizer trained on the text below. Weights are scaled so that
 peaky and input-dependent (logit std of a few units), so greedy ties cannot hide or fake agreement between
 implementations, and the recurrence has a real memory (decays spread over [0.5, 0.99] per step).
 
-    python -m vllm_mamba2_plugin.tiny_model OUT_DIR [--preset default|test] [--n-groups 2] ...
+    python -m vllm_mamba2_plugin.tiny_model OUT_DIR [--preset default|test] [--n-groups 2] ... [--format mamba_ssm]
 """
 
 import argparse
@@ -232,6 +232,46 @@ def build(out_dir: str, spec: TinyMamba2Spec | None = None, **overrides) -> str:
     return out_dir
 
 
+def export_mamba_ssm(hf_dir: str, out_dir: str, weights: str = "bin", vocab_size: int | None = None,
+                     pad_vocab_size_multiple: int = 8) -> str:
+    """Write the checkpoint in hf_dir in mamba_ssm's own format (what ``MambaLMHeadModel.save_pretrained`` writes;
+    the format of state-spaces/mamba2-*): its config.json (the Mamba2 arguments that differ from mamba_ssm's
+    defaults in ``ssm_cfg``) and ``pytorch_model.bin`` (weights="bin"; a tied ``lm_head.weight`` included, as
+    mamba_ssm's state dict has it) or ``model.safetensors``, with mamba_ssm's names. ``vocab_size``: the config's
+    unpadded vocabulary (default: the embedding's rows), which ``pad_vocab_size_multiple`` must round up to the
+    embedding's rows. No tokenizer, like the released checkpoints."""
+    from safetensors.torch import load_file, save_file
+
+    from .mamba_ssm_format import MAMBA2_DEFAULTS, padded_vocab
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    w = load_file(os.path.join(hf_dir, "model.safetensors"))
+    rows = w["backbone.embeddings.weight"].shape[0]
+    vocab_size = vocab_size or rows
+    if padded_vocab(vocab_size, pad_vocab_size_multiple) != rows:
+        raise ValueError(f"vocab_size {vocab_size} padded to a multiple of {pad_vocab_size_multiple} is not the "
+                         f"embedding's {rows} rows")
+    ssm = dict(d_state=hf["state_size"], d_conv=hf["conv_kernel"], expand=hf["expand"], headdim=hf["head_dim"],
+               ngroups=hf["n_groups"], chunk_size=hf["chunk_size"], bias=hf["use_bias"],
+               conv_bias=hf["use_conv_bias"], dt_limit=tuple(hf["time_step_limit"]))
+    config = dict(d_model=hf["hidden_size"], d_intermediate=0, n_layer=hf["num_hidden_layers"], vocab_size=vocab_size,
+                  ssm_cfg={"layer": "Mamba2", **{k: v for k, v in ssm.items() if v != MAMBA2_DEFAULTS[k]}},
+                  attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                  pad_vocab_size_multiple=pad_vocab_size_multiple, tie_embeddings=hf["tie_word_embeddings"])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    w["backbone.embedding.weight"] = w.pop("backbone.embeddings.weight")
+    if weights == "bin":
+        if hf["tie_word_embeddings"]:
+            w["lm_head.weight"] = w["backbone.embedding.weight"]
+        torch.save(w, os.path.join(out_dir, "pytorch_model.bin"))
+    else:
+        save_file(w, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 def is_built(out_dir: str, spec: TinyMamba2Spec) -> bool:
     """True if out_dir holds a checkpoint this module built from exactly this spec."""
     try:
@@ -247,6 +287,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--format", choices=["hf", "mamba_ssm"], default="hf",
+                    help="mamba_ssm: mamba_ssm's own format (config.json with ssm_cfg, pytorch_model.bin), as the "
+                         "state-spaces/mamba2-* checkpoints; the HF copy goes to OUT_DIR/hf")
     for field, default in asdict(TinyMamba2Spec()).items():
         if isinstance(default, bool):
             ap.add_argument(f"--{field.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"))
@@ -254,8 +297,12 @@ def main() -> None:
             ap.add_argument(f"--{field.replace('_', '-')}", type=type(default))
     args = ap.parse_args()
     spec = PRESETS[args.preset]
-    overrides = {k: v for k, v in vars(args).items() if k not in ("out_dir", "preset") and v is not None}
-    print(build(args.out_dir, TinyMamba2Spec(**{**asdict(spec), **overrides})))
+    overrides = {k: v for k, v in vars(args).items() if k not in ("out_dir", "preset", "format") and v is not None}
+    spec = TinyMamba2Spec(**{**asdict(spec), **overrides})
+    if args.format == "hf":
+        print(build(args.out_dir, spec))
+    else:
+        print(export_mamba_ssm(build(os.path.join(args.out_dir, "hf"), spec), args.out_dir))
 
 
 if __name__ == "__main__":

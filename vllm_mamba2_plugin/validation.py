@@ -91,6 +91,11 @@ class Mamba2PluginConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(cls, vllm_config) -> None:
         check_engine_options(vllm_config)
         check_hf_config(vllm_config.model_config.hf_config)
+        from .mamba_ssm_format import tokenizer_problem
+
+        problem = tokenizer_problem(vllm_config.model_config)
+        if problem:
+            raise UnsupportedOptionError(problem)
         patches.install()  # the front end's request checks (patches.py)
         cache = vllm_config.cache_config
         if cache.enable_prefix_caching:
