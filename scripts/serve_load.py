@@ -310,6 +310,9 @@ async def run_bad_inputs(server, model, vocab, max_model_len, bases, answers, pr
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a float32 HF Mamba2 checkpoint (config.json + model.safetensors)")
+    ap.add_argument("--oracle-model", default=None,
+                    help="the HF-format copy of the served weights that the oracle reads (default: --model), e.g. "
+                         "for a checkpoint in mamba_ssm's format")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--warmup-requests", type=int, default=0, help="run first; memory is measured after them")
@@ -345,7 +348,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(args.model, "config.json")) as f:
+    oracle_dir = args.oracle_model or args.model
+    with open(os.path.join(oracle_dir, "config.json")) as f:
         cfg = json.load(f)
     vocab = cfg["vocab_size"]
     args.chunk = args.chunk or cfg["chunk_size"]
@@ -355,7 +359,7 @@ def main(argv=None) -> int:
     for r in reqs + [probe]:
         wanted.setdefault(r["base"], set()).add(r["length"])
     t0 = time.time()
-    answers = Answers(args.model, bases, wanted, max(args.max_tokens, probe["max_tokens"]), args.answers)
+    answers = Answers(oracle_dir, bases, wanted, max(args.max_tokens, probe["max_tokens"]), args.answers)
     if args.answers_only:
         return 0
     report = dict(requests=args.requests, concurrency=args.concurrency, server_args=server_args, env=args.env,

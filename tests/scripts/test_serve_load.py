@@ -70,6 +70,18 @@ def test_server_under_load_with_prefix_caching(g4_model, tmp_path):
     assert m["kv_cache_usage_perc"] == 0 and report["healthy_after"]
 
 
+@pytest.mark.slow
+def test_a_mamba_ssm_checkpoint_under_load(g4_model, tmp_path):
+    """The same weights in mamba_ssm's own format (state-spaces/mamba2-*: found by --config-format auto, no
+    tokenizer), served under concurrent load; the oracle reads the HF copy."""
+    from vllm_mamba2_plugin import tiny_model
+
+    ms_dir = tiny_model.export_mamba_ssm(g4_model, str(tmp_path / "g4-mamba_ssm"))
+    report = _run(ms_dir, tmp_path, ["--oracle-model", g4_model, "--requests", "60", "--concurrency", "8",
+                                     "--max-prompt", "100"], ["--skip-tokenizer-init"])
+    assert report["exact"] == 60 and not report["wrong"] and report["healthy_after"]
+
+
 def test_a_terminated_harness_stops_its_server(g4_model, tmp_path):
     """The server runs in its own session; a harness ended by SIGTERM (a `timeout`, a CI cancel) still stops it,
     rather than leaving an engine holding the GPU for the next run."""
