@@ -103,6 +103,7 @@ def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
     from vllm.config import VllmConfig, set_current_vllm_config
 
     with set_current_vllm_config(VllmConfig()):  # the layer registers itself in the config's forward context
+        compat.init_single_rank_groups()  # the parallel linear layers read the TP group
         layer = Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix="bench.mixer")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -123,7 +124,7 @@ def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1):
     S = len(lengths)
     R = nd + S  # requests
     T = nd + sum(lengths)
-    n_proj = layer.in_proj.out_features
+    n_proj = layer.projection_width
     slots_n = 2 * R + 1
     pools = (torch.randn(slots_n, CONV_WIDTH - 1, layer.conv_dim, generator=g) * 0.1,
              torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1)

@@ -84,7 +84,7 @@ def tune(impl, spec, layer, dtype, dev, holder):
         if impl == "plugin":
             warmup._WARMED_PREFILL.clear()
             layer.get_state_dtype = lambda: (dtype, dtype)  # no model/cache config here: bf16 pools, as measured
-            projected = torch.zeros(8, layer.in_proj.out_features, dtype=dtype, device=dev)
+            projected = torch.zeros(8, layer.projection_width, dtype=dtype, device=dev)
             warmup.warm_prefill(layer, projected)  # its first layout is the autotuners' first call
             return
         spec = f"1x{pl.CHUNK}"  # vLLM's _warmup_ssd_kernels: one chunk

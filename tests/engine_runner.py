@@ -1,10 +1,15 @@
 """Runs vLLM engines in a fresh process and prints what they produced as one JSON line.
 
-Used where a test needs a different process environment (VLLM_PLUGINS, VLLM_MAMBA2_PLUGIN_OVERRIDE): vLLM
-loads plugins once per process, so switching them needs a new one.
+Used where a test needs a different process environment (VLLM_PLUGINS, VLLM_MAMBA2_PLUGIN_OVERRIDE,
+VLLM_CPU_OMP_THREADS_BIND for parallel workers): vLLM loads plugins once per process, so switching them needs a
+new one.
 
     python tests/engine_runner.py '{"runs": [{"model": DIR, "prompts": [[1,2,3]], "max_tokens": 8,
                                               "llm_kwargs": {"hf_overrides": {...}}}]}'
+
+A run may give "rounds" (a list of prompt lists, generated one after the other on the same engine) instead of
+"prompts"; its result then has "rounds" (the tokens of each round). With "facts": true the result also has
+``model_facts`` from every worker.
 """
 
 import json
@@ -13,6 +18,29 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+# Module-level functions, not lambdas: at tensor or pipeline parallel size > 1 they are pickled to the workers.
+def model_class(model) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def model_facts(model) -> dict:
+    """In a worker: the plugin package it imported, and for each of its mixer layers the parameter and state-pool
+    shapes it holds (the pools without their slot dimension)."""
+    import vllm_mamba2_plugin
+    from vllm_mamba2_plugin import compat
+    from vllm_mamba2_plugin.mixer import Mamba2Mixer
+
+    layers = {}
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            conv, ssm = compat.layer_states(module)
+            layers[module.prefix] = dict(conv_state=list(conv.shape[1:]), ssm_state=list(ssm.shape[1:]),
+                                         conv_weight=list(module.conv1d.weight.shape), A=list(module.A.shape),
+                                         norm=list(module.norm.weight.shape))
+    return dict(package=os.path.dirname(os.path.abspath(vllm_mamba2_plugin.__file__)), layers=layers,
+                has_lm_head=type(model.lm_head).__name__ != "PPMissingLayer")
 
 
 def main() -> None:
@@ -25,10 +53,19 @@ def main() -> None:
         kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0)
         kwargs.update(run.get("llm_kwargs", {}))
         llm = LLM(model=run["model"], **kwargs)
-        cls = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
+        result = {"model_class": llm.apply_model(model_class)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["prompts"]], params, use_tqdm=False)
-        results.append({"model_class": cls, "tokens": [list(o.outputs[0].token_ids) for o in outs]})
+        rounds = []
+        for prompts in run.get("rounds", [run.get("prompts")]):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            rounds.append([list(o.outputs[0].token_ids) for o in outs])
+        if "rounds" in run:
+            result["rounds"] = rounds
+        else:
+            result["tokens"] = rounds[0]
+        if run.get("facts"):
+            result["model_facts"] = llm.apply_model(model_facts)
+        results.append(result)
         del llm
     print("RESULT " + json.dumps(results), flush=True)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -18,8 +19,12 @@ REFUSED = {
                                    "--mamba-block-size 8 != --block-size 16"),
     "spec_decode": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding"),
-    "tensor_parallel": (dict(tensor_parallel_size=2), "tensor parallelism.*tensor_parallel_size=1"),
-    "pipeline_parallel": (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    # The default tiny model: num_heads 8, n_groups 1, 2 layers.
+    "tensor_parallel_3": (dict(tensor_parallel_size=3), "tensor_parallel_size=3 for this model \\(num_heads=8, "
+                          "n_groups=1\\).*Valid tensor_parallel_size values: \\[1, 2, 4, 8\\]"),
+    "pipeline_parallel_3": (dict(pipeline_parallel_size=3),
+                            "pipeline_parallel_size=3 .*num_hidden_layers=2.*Valid pipeline_parallel_size values: "
+                            "1 to 2"),
     "lora": (dict(enable_lora=True), "LoRA.*--enable-lora"),
     "quantization": (dict(quantization="fp8"), "quantized weights.*unquantized"),
 }
@@ -53,6 +58,33 @@ def test_bad_plugin_switch_is_refused_at_config_time(var, value, pattern, tiny_d
     monkeypatch.setenv(var, value)
     with pytest.raises(Exception, match=pattern):
         EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()
+
+
+@pytest.mark.parametrize("heads, groups, tp", [(8, 4, 8), (8, 2, 4), (16, 4, 8), (8, 1, 16), (6, 2, 4)])
+def test_tp_size_that_does_not_split_the_heads_and_groups_is_refused(heads, groups, tp):
+    """tp must divide num_heads, and n_groups unless n_groups == 1; the error names the valid sizes."""
+    from vllm_mamba2_plugin.spec import valid_tp_sizes
+    from vllm_mamba2_plugin.validation import check_parallel_sizes
+
+    cfg = _config(num_heads=heads, n_groups=groups, head_dim=128 // heads)
+    valid = valid_tp_sizes(cfg)
+    assert tp not in valid
+    assert valid == [t for t in range(1, heads + 1) if heads % t == 0 and (groups % t == 0 or groups == 1)]
+    par = type("Par", (), dict(tensor_parallel_size=tp, pipeline_parallel_size=1))
+    with pytest.raises(UnsupportedOptionError, match=re.escape(f"Valid tensor_parallel_size values: {valid}")):
+        check_parallel_sizes(par, cfg)
+    for ok in valid:
+        par.tensor_parallel_size = ok
+        check_parallel_sizes(par, cfg)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=8),
+                                    dict(pipeline_parallel_size=2)])
+def test_valid_parallel_sizes_are_accepted_at_config_time(kwargs, tiny_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, **kwargs).create_engine_config()
+    assert cfg.parallel_config.world_size == max(kwargs.values())
 
 
 def test_refusal_reaches_the_llm_user(tiny_dir):

@@ -13,6 +13,9 @@ What differs (docs/vllm-0.26-vs-0.32.md), and how it is bridged:
 * forward-context metadata: a dict keyed by layer prefix in both, missing (0.32) or None (0.26) in profile
   runs, or a list of dicts under micro-batching (refused).
 
+The tensor- and pipeline-parallel names (parallel linear layers, TP / PP groups, ``make_layers``,
+``PPMissingLayer``, ``IntermediateTensors``, the sharded loaders) are long-stable vLLM APIs, the same in both.
+
 Everything here is imported from the same module path in both releases; this file is where a future
 rename gets its ``try/except ImportError``.
 """
@@ -21,11 +24,21 @@ import torch
 
 from vllm.compilation.decorators import support_torch_compile  # noqa: F401
 from vllm.config import get_current_vllm_config
+from vllm.distributed import (  # noqa: F401
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: F401
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401
 from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: F401
 from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: F401
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: F401
+from vllm.model_executor.model_loader.weight_utils import (  # noqa: F401
+    default_weight_loader,
+    sharded_weight_loader,
+)
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -35,8 +48,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: F401
     VocabParallelEmbedding,
 )
 from vllm.model_executor.models.config import VerifyAndUpdateConfig  # noqa: F401
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree  # noqa: F401
-from vllm.model_executor.models.utils import maybe_prefix  # noqa: F401
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsPP  # noqa: F401
+from vllm.model_executor.models.utils import (  # noqa: F401
+    PPMissingLayer,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors  # noqa: F401
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import (  # noqa: F401
     AttentionBackend,
@@ -128,3 +148,29 @@ def register_custom_op(name, func, mutates_args, fake_impl) -> None:
     if hasattr(torch.ops.vllm, name):
         return
     direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl)
+
+
+def tp_rank() -> int:
+    return get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    return get_tensor_model_parallel_world_size()
+
+
+def init_single_rank_groups() -> None:
+    """vLLM's parallel groups for one process of one rank, where a layer is built outside an engine (kernel tests,
+    benchmarks): the parallel linear layers read the TP group. A no-op where the groups exist."""
+    import tempfile
+
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"file://{tempfile.mkdtemp()}/pg")
+    ensure_model_parallel_initialized(1, 1)

@@ -13,16 +13,23 @@ The conv + SSM + norm part reads and writes the per-request state, so it runs in
 torch.compile treats the op as opaque and vLLM splits its piecewise CUDA graphs there (the op's name is in
 CompilationConfig's splitting ops, see ``register()``), and the op itself runs eagerly with the step's
 metadata from the forward context. in_proj and out_proj stay outside, in the compiled graph.
+
+Tensor parallelism (docs/parallelism.md): each of tp ranks holds H/tp heads, their x and z channels and dt, and
+the B / C of its groups (G/tp groups, or a copy of the single group when G == 1). in_proj is column-parallel,
+loaded per segment so that a rank's rows are again [z | x | B | C | dt], out_proj row-parallel (one
+all-reduce). Every size below (num_heads, n_groups, d_inner, conv_dim) is the rank's own, so the custom op and
+the kernels see an ordinary smaller layer.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels
 from .kernels.reference import row_range
-from .spec import Mamba2StateSpec, conv_dim, state_shapes
+from .spec import Mamba2StateSpec, conv_dim, extended_groups, local_groups, state_shapes, valid_tp_sizes
 
 OP_NAME = "mamba2_plugin_mixer"
 
@@ -30,18 +37,28 @@ OP_NAME = "mamba2_plugin_mixer"
 class Mamba2Mixer(compat.MambaBase, nn.Module):
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
+        tp_rank, tp = compat.tp_rank(), compat.tp_size()
+        if tp not in valid_tp_sizes(config):  # the front end refuses first (validation.check_parallel_sizes)
+            raise ValueError(f"tensor_parallel_size={tp} does not split this model; valid: {valid_tp_sizes(config)}")
+        H, P, G, N = config.num_heads, config.head_dim, config.n_groups, config.state_size
         self.prefix = prefix
+        self.tp_size = tp
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.n_groups = config.n_groups
-        self.state_size = config.state_size
+        # This rank's sizes.
+        self.num_heads = H // tp
+        self.head_dim = P
+        self.n_groups = local_groups(config, tp)
+        self.state_size = N
         self.conv_kernel = config.conv_kernel
-        self.d_inner = self.num_heads * self.head_dim
-        self.conv_dim = conv_dim(config)
-        self._state_shapes = state_shapes(config)
+        self.d_inner = self.num_heads * P
+        self.conv_dim = conv_dim(config, tp)
+        self.projection_width = self.d_inner + self.conv_dim + self.num_heads  # this rank's in_proj rows
+        self._state_shapes = state_shapes(config, tp)
         self.norm_eps = config.layer_norm_epsilon
-        self.norm_group_size = self.d_inner // self.n_groups
+        self.norm_group_size = H * P // G  # channels per group of the whole model
+        # A rank owns whole groups when tp divides G: the norm stays in the op. Otherwise (G == 1, tp > 1) the one
+        # group spans the ranks and forward() norms with an all-reduce of the sum of squares.
+        self.norm_in_op = G % tp == 0
         self.chunk_size = int(config.chunk_size)
         limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
         self.dt_limit = (float(limit[0]), float(limit[1]))
@@ -52,19 +69,40 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.cache_config = cache_config
 
         # Parameter names follow the HF checkpoint (in_proj, conv1d, dt_bias, A_log -> A, D, norm, out_proj).
-        self.in_proj = nn.Linear(
-            self.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=config.use_bias
+        # Checkpoint rows of in_proj: [z I | x I | B G·N | C G·N | dt H]; conv1d's: [x | B | C]. Each rank takes
+        # its slice of every segment (all of B and C when G == 1: G_ext = tp copies of the one group).
+        G_ext = extended_groups(config, tp)
+        inner = (H * P, 0, False)
+        groups = (G_ext * N, (G_ext - G) * N, G == 1)
+        heads = (H, 0, False)
+        self.in_proj = compat.ColumnParallelLinear(
+            self.hidden_size, H * P + self.conv_dim * tp + H, bias=config.use_bias, quant_config=None,
+            prefix=f"{prefix}.in_proj",
         )
+        in_proj_loader = mamba_v2_sharded_weight_loader([inner, inner, groups, groups, heads], tp, tp_rank)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=config.use_conv_bias
         )
+        conv_loader = mamba_v2_sharded_weight_loader([inner, groups, groups], tp, tp_rank)
         # A, D and dt_bias stay float32 whatever the model dtype: they enter exp() and softplus().
         self.A = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(self.d_inner), requires_grad=False)
-        self.out_proj = nn.Linear(self.d_inner, self.hidden_size, bias=config.use_bias)
+        self.out_proj = compat.RowParallelLinear(
+            H * P, self.hidden_size, bias=config.use_bias, input_is_parallel=True, quant_config=None,
+            prefix=f"{prefix}.out_proj",
+        )
+        # Every parameter loads through a loader that takes this rank's part of the checkpoint tensor
+        # (out_proj keeps RowParallelLinear's own).
+        for param, loader in ((self.in_proj.weight, in_proj_loader), (self.in_proj.bias, in_proj_loader),
+                              (self.conv1d.weight, conv_loader), (self.conv1d.bias, conv_loader),
+                              (self.A, compat.sharded_weight_loader(0)), (self.D, compat.sharded_weight_loader(0)),
+                              (self.dt_bias, compat.sharded_weight_loader(0)),
+                              (self.norm.weight, compat.sharded_weight_loader(0))):
+            if param is not None:
+                param.weight_loader = loader
 
         # vLLM finds its attention-like layers (to bind state and build metadata) through this dict.
         static_ctx = compat.static_forward_context()
@@ -98,12 +136,23 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        projected = self.in_proj(hidden_states)
+        projected, _ = self.in_proj(hidden_states)
         out = torch.empty(
             (hidden_states.shape[0], self.d_inner), dtype=hidden_states.dtype, device=hidden_states.device
         )
         torch.ops.vllm.mamba2_plugin_mixer(projected, out, self.prefix)
-        return self.out_proj(out)
+        if not self.norm_in_op:
+            out = self._norm_across_ranks(out, projected[..., : self.d_inner])
+        out, _ = self.out_proj(out)
+        return out
+
+    def _norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of a group spread over the TP ranks (G == 1, tp > 1): rmsnorm(y·silu(z))·w with the
+        sum of squares all-reduced, in float32 as the kernels' norm (reference.gated_rms_norm)."""
+        h = y.float() * F.silu(z.float())
+        sum_sq = compat.tensor_model_parallel_all_reduce(h.pow(2).sum(dim=-1, keepdim=True))
+        h = h * torch.rsqrt(sum_sq / (self.d_inner * self.tp_size) + self.norm_eps)
+        return (h * self.norm.weight.float()).to(y.dtype)
 
     def conv_ssm_forward(self, projected: torch.Tensor, out: torch.Tensor) -> None:
         meta = compat.layer_metadata(self.prefix)
@@ -199,8 +248,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return y_p
 
     def _gated_norm(self, k, y, z, out=None):
-        return k.gated_rms_norm(y.view(y.shape[0], self.d_inner), z, self.norm.weight, self.norm_eps,
-                                self.norm_group_size, out=out)
+        """The gated norm into ``out``; when the group spans the TP ranks, y itself (forward() norms it)."""
+        y = y.view(y.shape[0], self.d_inner)
+        if not self.norm_in_op:
+            return y if out is None else out.copy_(y)
+        return k.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size, out=out)
 
     # ---- packed blocks on given pools: the kernel warm-up (kernels/cuda/warmup.py) and the tests -------------
     def scratch_pools(self, num_slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +282,30 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         z, xBC, dt = self._split_projection(rows)
         y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
         return self._gated_norm(k, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
+
+
+def mamba_v2_sharded_weight_loader(shard_spec: list[tuple[int, int, bool]], tp_size: int, tp_rank: int):
+    """A loader that gives this rank its slice of each segment of a tensor concatenated along dim 0.
+
+    shard_spec: per segment (size on the whole model with copies counted, how many of those rows are copies,
+    whether the segment is one group copied to every rank). A rank's rows are its slices of the segments, in
+    order. Copied from vLLM's ``mamba_v2_sharded_weight_loader`` (layers/mamba/mamba_mixer2.py): importing that
+    module pulls in vLLM's Triton op modules."""
+
+    def loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        boundary, loaded_boundary = 0, 0  # segment starts in this rank's param and in the checkpoint tensor
+        for full_dim, extra, duplicate_groups in shard_spec:
+            shard_size = full_dim // tp_size
+            rank = 0 if duplicate_groups else tp_rank  # every rank copies the one group
+            loaded_skip = rank * shard_size
+            loaded_start = loaded_boundary + loaded_skip
+            take = min(shard_size, full_dim - extra - loaded_skip)
+            target = param.data[boundary: boundary + take]
+            target.copy_(loaded_weight[loaded_start: loaded_start + take].view_as(target))
+            boundary += shard_size
+            loaded_boundary += full_dim - extra
+
+    return loader
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -8,10 +8,17 @@ Checkpoint names (HF ``Mamba2ForCausalLM``; mamba-ssm's ``backbone.embedding.wei
     backbone.layers.{i}.mixer.{in_proj.weight, in_proj.bias?, conv1d.weight, conv1d.bias?, dt_bias,
                                A_log, D, norm.weight, out_proj.weight, out_proj.bias?}
 A_log is stored as A = -exp(A_log) at load time. Missing, unknown or mis-shaped weights raise one error that
-lists them.
+lists them; shapes are checked against the whole model's (``checkpoint_shapes``) before a tensor-parallel loader
+takes this rank's part.
+
+Pipeline parallelism (docs/parallelism.md): vLLM's ``make_layers`` builds this stage's layers and
+``PPMissingLayer`` stand-ins for the others; the first stage embeds (and the last, with tied embeddings), the
+last applies norm_f and the head, and the stages in between pass ``hidden_states`` / ``residual`` on as
+``IntermediateTensors``.
 """
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
@@ -42,33 +49,51 @@ class Mamba2Backbone(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.embeddings = compat.VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Mamba2DecoderLayer(config, vllm_config.model_config, vllm_config.cache_config,
-                               prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        pp = compat.get_pp_group()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if pp.is_first_rank or (tied and pp.is_last_rank):
+            self.embeddings = compat.VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embeddings = compat.PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = compat.make_layers(
+            config.num_hidden_layers,
+            lambda prefix: Mamba2DecoderLayer(config, vllm_config.model_config, vllm_config.cache_config,
+                                              prefix=prefix),
+            prefix=f"{prefix}.layers",
         )
-        self.norm_f = compat.RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.norm_f = (compat.RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon) if pp.is_last_rank
+                       else compat.PPMissingLayer())
+        self.make_empty_intermediate_tensors = compat.make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
 
     def forward(
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        intermediate_tensors=None,
+        intermediate_tensors: compat.IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embeddings(input_ids)
-        residual = None
-        for layer in self.layers:
+    ) -> torch.Tensor | compat.IntermediateTensors:
+        pp = compat.get_pp_group()
+        if pp.is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embeddings(input_ids)
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = layer(hidden_states, residual)
+        if not pp.is_last_rank:
+            return compat.IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm_f(hidden_states, residual)
         return hidden_states
 
 
-class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentionFree):
+class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentionFree, compat.SupportsPP):
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config):
-        return state_shapes(vllm_config.model_config.hf_config)
+        return state_shapes(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config):
@@ -89,12 +114,16 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
         self.config = config
         self.backbone = Mamba2Backbone(vllm_config=vllm_config, prefix=compat.maybe_prefix(prefix, "backbone"))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = compat.ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=compat.maybe_prefix(prefix, "lm_head")
-        )
-        if self.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.backbone.embeddings)
+        if compat.get_pp_group().is_last_rank:
+            self.lm_head = compat.ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=compat.maybe_prefix(prefix, "lm_head")
+            )
+            if self.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.backbone.embeddings)
+        else:
+            self.lm_head = compat.PPMissingLayer()
         self.logits_processor = compat.LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.backbone.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(input_ids)
@@ -120,6 +149,7 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
+        full_shapes = checkpoint_shapes(self.config)
         loaded: set[str] = set()
         unexpected: list[str] = []
         bad_shape: list[str] = []
@@ -127,22 +157,21 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
             name = self._checkpoint_to_param_name(ckpt_name)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding matrix is the head
-            param = params.get(name)
-            if param is None:
+            want = full_shapes.get(_layer_free(name))
+            if want is None or (name not in params and not compat.is_pp_missing_parameter(name, self)):
                 unexpected.append(ckpt_name)
                 continue
+            if tuple(tensor.shape) != want:
+                bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {want}")
+                continue
+            if name not in params:
+                continue  # another pipeline stage's
+            param = params[name]
             if ckpt_name.endswith("A_log"):
                 tensor = -torch.exp(tensor.float())
-            # vLLM's loaders: the vocab-parallel layers' own (they pad the vocab dimension), else its default copy.
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                fits = tensor.dim() == param.dim() and tensor.shape[1:] == param.shape[1:] and \
-                    tensor.shape[0] <= param.shape[0]
-            else:
-                loader, fits = compat.default_weight_loader, tensor.shape == param.shape
-            if not fits:
-                bad_shape.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-                continue
+            # The parameter's loader takes this rank's part: the mixer's TP loaders, the vocab-parallel layers' own
+            # (they pad the vocab dimension), else a plain copy (replicated norms).
+            loader = getattr(param, "weight_loader", compat.default_weight_loader)
             with torch.no_grad():
                 loader(param, tensor)
             loaded.add(name)
@@ -165,3 +194,31 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")
         return loaded
+
+
+def _layer_free(name: str) -> str:
+    """The parameter name with a decoder layer's index as ``*`` (the key of ``checkpoint_shapes``)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "backbone" and parts[1] == "layers" and parts[2].isdigit():
+        parts[2] = "*"
+    return ".".join(parts)
+
+
+def checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in the whole model (as a checkpoint stores it, A_log as A), keyed by parameter name
+    with the layer index as ``*``. Optional tensors appear only where config.json says the model has them."""
+    H, P, G, N, W, d = (config.num_heads, config.head_dim, config.n_groups, config.state_size,
+                        config.conv_kernel, config.hidden_size)
+    inner, conv = H * P, H * P + 2 * G * N
+    mixer = {"in_proj.weight": (2 * inner + 2 * G * N + H, d), "conv1d.weight": (conv, 1, W),
+             "A": (H,), "D": (H,), "dt_bias": (H,), "norm.weight": (inner,), "out_proj.weight": (d, inner)}
+    if config.use_bias:
+        mixer.update({"in_proj.bias": (2 * inner + 2 * G * N + H,), "out_proj.bias": (d,)})
+    if config.use_conv_bias:
+        mixer["conv1d.bias"] = (conv,)
+    shapes = {f"backbone.layers.*.mixer.{k}": v for k, v in mixer.items()}
+    shapes.update({"backbone.layers.*.norm.weight": (d,), "backbone.embeddings.weight": (config.vocab_size, d),
+                   "backbone.norm_f.weight": (d,)})
+    if not getattr(config, "tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    return shapes

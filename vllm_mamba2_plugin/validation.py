@@ -3,13 +3,15 @@
 Two kinds of check:
 * ``check_hf_config``: the checkpoint's config.json describes a Mamba2 model the plugin computes exactly
   (raised when the model is built, before any weight is read).
-* ``Mamba2PluginConfig.verify_and_update_config``: engine options the plugin does not implement yet. vLLM calls
+* ``Mamba2PluginConfig.verify_and_update_config``: engine options the plugin does not implement yet, and
+  parallel sizes the model cannot be split by. vLLM calls
   it from VllmConfig.__post_init__ in the front-end process (it is what MODELS_CONFIG_MAP holds for our
   architecture names), so an unsupported option fails before any worker starts, instead of half-running.
 """
 
 from . import envs, patches
 from .compat import VerifyAndUpdateConfig
+from .spec import valid_tp_sizes
 
 ERROR_PREFIX = "vllm-mamba2-plugin"
 
@@ -26,7 +28,6 @@ def check_engine_options(vllm_config) -> None:
     # The plugin's environment switches (envs.py): a bad value fails here, in the front-end, not in a worker.
     envs.full_decode_graphs(), envs.kernel_choice(), envs.fast_launch(), envs.direct_launch(), envs.ssd_configs()
     cache = vllm_config.cache_config
-    par = vllm_config.parallel_config
     model = vllm_config.model_config
     if getattr(cache, "mamba_cache_mode", "none") not in (None, "none", "align"):
         _refuse(f"mamba_cache_mode={cache.mamba_cache_mode!r}",
@@ -34,17 +35,27 @@ def check_engine_options(vllm_config) -> None:
                 "block boundary itself.")
     if vllm_config.speculative_config is not None:
         _refuse("speculative decoding (speculative_config)", "Remove --speculative-config.")
-    if par.tensor_parallel_size > 1:
-        _refuse(f"tensor parallelism (tensor_parallel_size={par.tensor_parallel_size})",
-                "Use tensor_parallel_size=1; run more replicas with data parallelism instead.")
-    if par.pipeline_parallel_size > 1:
-        _refuse(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size})",
-                "Use pipeline_parallel_size=1.")
     if vllm_config.lora_config is not None:
         _refuse("LoRA (enable_lora=True)", "Run without --enable-lora.")
     if model.quantization is not None:
         _refuse(f"quantized weights (quantization={model.quantization!r})",
                 "Serve an unquantized (fp32/fp16/bf16) Mamba2 checkpoint and drop --quantization.")
+
+
+def check_parallel_sizes(parallel_config, config) -> None:
+    """TP sizes the heads and groups split by (spec.valid_tp_sizes); PP sizes up to the layer count (a stage
+    without layers would hold no state). vLLM's own check reads num_attention_heads, which Mamba2 configs lack."""
+    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+    valid_tp = valid_tp_sizes(config)
+    if tp not in valid_tp:
+        _refuse(f"tensor_parallel_size={tp} for this model (num_heads={config.num_heads}, "
+                f"n_groups={config.n_groups})",
+                f"Valid tensor_parallel_size values: {valid_tp} (sizes that divide num_heads and n_groups, or any "
+                "divisor of num_heads when n_groups == 1).")
+    layers = config.num_hidden_layers
+    if not 1 <= pp <= layers:
+        _refuse(f"pipeline_parallel_size={pp} for this model (num_hidden_layers={layers})",
+                f"Valid pipeline_parallel_size values: 1 to {layers} (at least one layer per stage).")
 
 
 def check_hf_config(config) -> None:
@@ -91,6 +102,7 @@ class Mamba2PluginConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(cls, vllm_config) -> None:
         check_engine_options(vllm_config)
         check_hf_config(vllm_config.model_config.hf_config)
+        check_parallel_sizes(vllm_config.parallel_config, vllm_config.model_config.hf_config)
         from .mamba_ssm_format import tokenizer_problem
 
         problem = tokenizer_problem(vllm_config.model_config)

@@ -82,6 +82,18 @@ def test_a_mamba_ssm_checkpoint_under_load(g4_model, tmp_path):
     assert report["exact"] == 60 and not report["wrong"] and report["healthy_after"]
 
 
+@pytest.mark.slow
+def test_server_under_load_with_tensor_parallelism(g4_model, tmp_path):
+    """The same load on two TP ranks (spawned workers, one core each): every token still equals the oracle's, and
+    every state slot is free afterwards."""
+    report = _run(g4_model, tmp_path, ["--requests", "64", "--concurrency", "8", "--warmup-requests", "8",
+                                       "--max-prompt", "100", "--env", "VLLM_CPU_OMP_THREADS_BIND=0|1"],
+                  ["--skip-tokenizer-init", "--tensor-parallel-size", "2"])
+    assert "Worker_TP1" in (tmp_path / "server.log").read_text()  # the second rank served
+    assert report["exact"] == 64 and not report["wrong"] and not report["near_ties"]
+    assert report["metrics_after"]["kv_cache_usage_perc"] == 0 and report["healthy_after"]
+
+
 def test_a_terminated_harness_stops_its_server(g4_model, tmp_path):
     """The server runs in its own session; a harness ended by SIGTERM (a `timeout`, a CI cancel) still stops it,
     rather than leaving an engine holding the GPU for the next run."""

@@ -182,9 +182,11 @@ def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
     """One Mamba2Mixer of the given shape (hidden size 32, conv bias, no linear biases), parameters uninitialised."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
+    from vllm_mamba2_plugin import compat
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
                           chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
     with set_current_vllm_config(VllmConfig()):  # the layer registers itself in the config's forward context
+        compat.init_single_rank_groups()  # the parallel linear layers read the TP group
         return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)

@@ -162,7 +162,7 @@ def test_served_steps_equal_each_request_alone(kern, mode, seed, monkeypatch):
     num_slots, max_num_seqs = 12, 8
     sched = Scheduler(rng, 120 if big else 40, num_slots, max_num_seqs, budget=256 if big else 48,
                       chunk=layer.chunk_size, W=layer.conv_kernel)
-    width = layer.in_proj.out_features
+    width = layer.projection_width
     g = gen(100 + seed)
     inputs = {r["id"]: rnd(g, sched.total(r), width).to(dev) for r in sched.requests}
     # Garbage in every slot: a slot is handed to a new request as its last owner left it.

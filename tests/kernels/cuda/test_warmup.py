@@ -70,7 +70,7 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append((x.shape[1], kw.get("initial_states")
                                                                           is not None)), real(x, *a, **kw))[1])
     launched = record_conv_launches(monkeypatch)
-    projected = torch.zeros(profile_tokens, layer.in_proj.out_features, device=kern.dev, dtype=dtype)
+    projected = torch.zeros(profile_tokens, layer.projection_width, device=kern.dev, dtype=dtype)
 
     warmup.warm_prefill(layer, projected)
     layouts = warmup.prefill_layouts(cs, varlen_plan.SEPARATE_RESUMED_MAX, profile_tokens)
@@ -164,7 +164,7 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
         return None
 
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", hook)
-    projected = torch.zeros(budget, layer.in_proj.out_features, device=dev, dtype=BF16)
+    projected = torch.zeros(budget, layer.projection_width, device=dev, dtype=BF16)
     warmup.warm_prefill(layer, projected)
     warmup.warm_decode(layer, projected)
     warm, compiles[:] = list(compiles), []
@@ -234,7 +234,7 @@ def test_decode_warmup_runs_the_warm_batches(kern, monkeypatch):
                                     D=kw.get("D"))
 
     monkeypatch.setattr(ck, "ssm_state_update", recording)
-    projected = torch.zeros(3, layer.in_proj.out_features, device=kern.dev)
+    projected = torch.zeros(3, layer.projection_width, device=kern.dev)
     warmup.warm_decode(layer, projected)
     batches = decode_step.ssu_warm_batches(H, P, N, F32)
     # launch ranges start at batch 1, 2 (8 / H) and 10 (40 / H) with the patched table; 1 and 154 (12288 / 80)
