@@ -8,7 +8,8 @@ new one.
                                               "llm_kwargs": {"hf_overrides": {...}}}]}'
 
 A run may give "rounds" (a list of prompt lists, generated one after the other on the same engine) instead of
-"prompts"; its result then has "rounds" (the tokens of each round). With "facts": true the result also has
+"prompts"; its result then has "rounds" (the tokens of each round) and "cached" (each output's prompt tokens
+served from the prefix cache). With "facts": true the result also has
 ``model_facts`` from every worker.
 """
 
@@ -55,12 +56,13 @@ def main() -> None:
         llm = LLM(model=run["model"], **kwargs)
         result = {"model_class": llm.apply_model(model_class)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
-        rounds = []
+        rounds, cached = [], []
         for prompts in run.get("rounds", [run.get("prompts")]):
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             rounds.append([list(o.outputs[0].token_ids) for o in outs])
+            cached.append([o.num_cached_tokens for o in outs])
         if "rounds" in run:
-            result["rounds"] = rounds
+            result["rounds"], result["cached"] = rounds, cached
         else:
             result["tokens"] = rounds[0]
         if run.get("facts"):

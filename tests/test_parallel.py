@@ -135,6 +135,29 @@ def test_each_rank_holds_its_share(variant, mode_results, parallel_models):
                 assert (layer["conv_state"], layer["ssm_state"]) == (list(conv_shape), list(ssm_shape))
 
 
+@pytest.mark.slow
+def test_prefix_caching_on_parallel_engines(parallel_models, parallel_oracles):
+    """--enable-prefix-caching with TP=2 and with PP=2 (g1_bias: the gated norm's all-reduce; blocks of 8 tokens):
+    prompts sharing a system prompt of 2.6 blocks start from its cached boundary states (each rank keeps its share
+    of every boundary state) and every token still equals the recurrence's."""
+    variant, path = "g1_bias", parallel_models["g1_bias"]
+    system = random_prompts([21], VOCAB, seed=5)[0]
+    rounds = [[system + s for s in random_prompts(lengths, VOCAB, seed=6 + i)]
+              for i, lengths in enumerate([[3], [1, 9, 17, 4]])]
+    runs = [{"model": path, "rounds": rounds, "max_tokens": MAX_TOKENS,
+             "llm_kwargs": dict(MODES[mode], enable_prefix_caching=True, **ENGINE)} for mode in MODES]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
+    for mode, result in zip(MODES, json.loads(lines[-1][len("RESULT "):])):
+        for round_, (prompts, got) in enumerate(zip(rounds, result["rounds"])):
+            want = [oracle_generate(parallel_oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+            assert got == want, f"{mode} round {round_}"
+        assert result["cached"] == [[0], [16, 16, 16, 16]], (mode, result["cached"])
+
+
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(tensor_parallel_size=4), "tensor_parallel_size=4 .*num_heads=8, n_groups=2.*values: \\[1, 2\\]"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 .*values: \\[1, 2\\]"),
