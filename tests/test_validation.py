@@ -20,8 +20,8 @@ REFUSED = {
     "spec_decode": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                              "prompt_lookup_max": 3}), "speculative decoding"),
     # The default tiny model: num_heads 8, n_groups 1, 2 layers.
-    "tensor_parallel_3": (dict(tensor_parallel_size=3), "tensor_parallel_size=3 for this model \\(num_heads=8, "
-                          "n_groups=1\\).*Valid tensor_parallel_size values: \\[1, 2, 4, 8\\]"),
+    "tensor_parallel_3": (dict(tensor_parallel_size=3), "tensor_parallel_size=3 for this model \\(num_heads=8\\)"
+                          ".*Valid tensor_parallel_size values: \\[1, 2, 4, 8\\]"),
     "pipeline_parallel_3": (dict(pipeline_parallel_size=3),
                             "pipeline_parallel_size=3 .*num_hidden_layers=2.*Valid pipeline_parallel_size values: "
                             "1 to 2"),
@@ -62,16 +62,16 @@ def test_bad_plugin_switch_is_refused_at_config_time(var, value, pattern, tiny_d
         EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()
 
 
-@pytest.mark.parametrize("heads, groups, tp", [(8, 4, 8), (8, 2, 4), (16, 4, 8), (8, 1, 16), (6, 2, 4)])
-def test_tp_size_that_does_not_split_the_heads_and_groups_is_refused(heads, groups, tp):
-    """tp must divide num_heads, and n_groups unless n_groups == 1; the error names the valid sizes."""
-    from vllm_mamba2_plugin.spec import valid_tp_sizes
+@pytest.mark.parametrize("heads, groups, tp", [(8, 4, 3), (8, 1, 16), (6, 2, 4), (24, 4, 5)])
+def test_tp_size_that_does_not_divide_the_heads_is_refused(heads, groups, tp):
+    """tp must divide num_heads (groups are copied where they do not split); the error names the valid sizes."""
+    from vllm_mamba2_plugin.sharding import valid_tp_sizes
     from vllm_mamba2_plugin.validation import check_parallel_sizes
 
-    cfg = _config(num_heads=heads, n_groups=groups, head_dim=128 // heads)
+    cfg = _config(num_heads=heads, n_groups=groups, head_dim=192 // heads)
     valid = valid_tp_sizes(cfg)
     assert tp not in valid
-    assert valid == [t for t in range(1, heads + 1) if heads % t == 0 and (groups % t == 0 or groups == 1)]
+    assert valid == [t for t in range(1, heads + 1) if heads % t == 0]
     par = type("Par", (), dict(tensor_parallel_size=tp, pipeline_parallel_size=1))
     with pytest.raises(UnsupportedOptionError, match=re.escape(f"Valid tensor_parallel_size values: {valid}")):
         check_parallel_sizes(par, cfg)

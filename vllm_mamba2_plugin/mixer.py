@@ -14,11 +14,11 @@ torch.compile treats the op as opaque and vLLM splits its piecewise CUDA graphs 
 CompilationConfig's splitting ops, see ``register()``), and the op itself runs eagerly with the step's
 metadata from the forward context. in_proj and out_proj stay outside, in the compiled graph.
 
-Tensor parallelism (docs/parallelism.md): each of tp ranks holds H/tp heads, their x and z channels and dt, and
-the B / C of its groups (G/tp groups, or a copy of the single group when G == 1). in_proj is column-parallel,
-loaded per segment so that a rank's rows are again [z | x | B | C | dt], out_proj row-parallel (one
-all-reduce). Every size below (num_heads, n_groups, d_inner, conv_dim) is the rank's own, so the custom op and
-the kernels see an ordinary smaller layer.
+Tensor parallelism (docs/parallelism.md, sharding.py): each of tp ranks holds H/tp heads, their x and z channels
+and dt, and a copy of B / C per local group (whole groups when tp divides G). in_proj is column-parallel, loaded
+row by row so that a rank's rows are again [z | x | B | C | dt], out_proj row-parallel (one all-reduce). Every
+size below (num_heads, n_groups, d_inner, conv_dim) is the rank's own, so the custom op and the kernels see an
+ordinary smaller layer; only a gated norm whose groups span ranks runs outside the op, with one all-reduce.
 """
 
 import torch
@@ -29,7 +29,8 @@ from . import compat, envs
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels
 from .kernels.reference import row_range
-from .spec import Mamba2StateSpec, conv_dim, extended_groups, local_groups, state_shapes, valid_tp_sizes
+from . import sharding
+from .spec import Mamba2StateSpec, conv_dim, state_shapes
 
 OP_NAME = "mamba2_plugin_mixer"
 
@@ -38,8 +39,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def __init__(self, config, model_config, cache_config, prefix: str):
         super().__init__()
         tp_rank, tp = compat.tp_rank(), compat.tp_size()
-        if tp not in valid_tp_sizes(config):  # the front end refuses first (validation.check_parallel_sizes)
-            raise ValueError(f"tensor_parallel_size={tp} does not split this model; valid: {valid_tp_sizes(config)}")
+        if tp not in sharding.valid_tp_sizes(config):  # the front end refuses first (check_parallel_sizes)
+            raise ValueError(f"tensor_parallel_size={tp} does not divide num_heads={config.num_heads}")
         H, P, G, N = config.num_heads, config.head_dim, config.n_groups, config.state_size
         self.prefix = prefix
         self.tp_size = tp
@@ -47,7 +48,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         # This rank's sizes.
         self.num_heads = H // tp
         self.head_dim = P
-        self.n_groups = local_groups(config, tp)
+        self.n_groups = sharding.local_groups(config, tp)
         self.state_size = N
         self.conv_kernel = config.conv_kernel
         self.d_inner = self.num_heads * P
@@ -56,9 +57,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self._state_shapes = state_shapes(config, tp)
         self.norm_eps = config.layer_norm_epsilon
         self.norm_group_size = H * P // G  # channels per group of the whole model
-        # A rank owns whole groups when tp divides G: the norm stays in the op. Otherwise (G == 1, tp > 1) the one
-        # group spans the ranks and forward() norms with an all-reduce of the sum of squares.
-        self.norm_in_op = G % tp == 0
+        # A rank owns whole groups when tp divides G: the norm stays in the op. Otherwise a group spans ranks and
+        # forward() norms with an all-reduce of the per-group sums of squares (heads_group: each head's group).
+        self.norm_in_op = sharding.owns_whole_groups(config, tp)
+        self.total_groups = G
+        self.register_buffer("heads_group", torch.tensor(sharding.head_groups(config, tp, tp_rank)),
+                             persistent=False)
         self.chunk_size = int(config.chunk_size)
         limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
         self.dt_limit = (float(limit[0]), float(limit[1]))
@@ -69,21 +73,17 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.cache_config = cache_config
 
         # Parameter names follow the HF checkpoint (in_proj, conv1d, dt_bias, A_log -> A, D, norm, out_proj).
-        # Checkpoint rows of in_proj: [z I | x I | B G·N | C G·N | dt H]; conv1d's: [x | B | C]. Each rank takes
-        # its slice of every segment (all of B and C when G == 1: G_ext = tp copies of the one group).
-        G_ext = extended_groups(config, tp)
-        inner = (H * P, 0, False)
-        groups = (G_ext * N, (G_ext - G) * N, G == 1)
-        heads = (H, 0, False)
+        # Each rank loads its rows of in_proj ([z | x | B | C | dt]) and conv1d ([x | B | C]): its heads' z, x and
+        # dt, and a copy of B and C per local group (sharding.py).
         self.in_proj = compat.ColumnParallelLinear(
-            self.hidden_size, H * P + self.conv_dim * tp + H, bias=config.use_bias, quant_config=None,
-            prefix=f"{prefix}.in_proj",
+            self.hidden_size, (self.d_inner + self.conv_dim + self.num_heads) * tp, bias=config.use_bias,
+            quant_config=None, prefix=f"{prefix}.in_proj",
         )
-        in_proj_loader = mamba_v2_sharded_weight_loader([inner, inner, groups, groups, heads], tp, tp_rank)
+        in_proj_loader = sharding.rows_loader(sharding.in_proj_rows(config, tp, tp_rank))
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=config.use_conv_bias
         )
-        conv_loader = mamba_v2_sharded_weight_loader([inner, groups, groups], tp, tp_rank)
+        conv_loader = sharding.rows_loader(sharding.xbc_rows(config, tp, tp_rank))
         # A, D and dt_bias stay float32 whatever the model dtype: they enter exp() and softplus().
         self.A = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -147,11 +147,16 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return out
 
     def _norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated RMSNorm of a group spread over the TP ranks (G == 1, tp > 1): rmsnorm(y·silu(z))·w with the
-        sum of squares all-reduced, in float32 as the kernels' norm (reference.gated_rms_norm)."""
+        """The gated RMSNorm when its groups span TP ranks: rmsnorm(y·silu(z))·w per group, each group's sum of
+        squares summed over its heads on every rank by one all-reduce of a (tokens, G) tensor, in float32 as the
+        kernels' norm (reference.gated_rms_norm)."""
         h = y.float() * F.silu(z.float())
-        sum_sq = compat.tensor_model_parallel_all_reduce(h.pow(2).sum(dim=-1, keepdim=True))
-        h = h * torch.rsqrt(sum_sq / (self.d_inner * self.tp_size) + self.norm_eps)
+        per_head = h.view(-1, self.num_heads, self.head_dim)
+        sum_sq = per_head.pow(2).sum(dim=-1)  # (T, heads of this rank)
+        per_group = sum_sq.new_zeros(sum_sq.shape[0], self.total_groups).index_add_(1, self.heads_group, sum_sq)
+        per_group = compat.tensor_model_parallel_all_reduce(per_group)
+        inv_rms = torch.rsqrt(per_group.index_select(1, self.heads_group) / self.norm_group_size + self.norm_eps)
+        h = (per_head * inv_rms.unsqueeze(-1)).view_as(h)
         return (h * self.norm.weight.float()).to(y.dtype)
 
     def conv_ssm_forward(self, projected: torch.Tensor, out: torch.Tensor) -> None:
@@ -282,30 +287,6 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         z, xBC, dt = self._split_projection(rows)
         y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
         return self._gated_norm(k, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
-
-
-def mamba_v2_sharded_weight_loader(shard_spec: list[tuple[int, int, bool]], tp_size: int, tp_rank: int):
-    """A loader that gives this rank its slice of each segment of a tensor concatenated along dim 0.
-
-    shard_spec: per segment (size on the whole model with copies counted, how many of those rows are copies,
-    whether the segment is one group copied to every rank). A rank's rows are its slices of the segments, in
-    order. Copied from vLLM's ``mamba_v2_sharded_weight_loader`` (layers/mamba/mamba_mixer2.py): importing that
-    module pulls in vLLM's Triton op modules."""
-
-    def loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        boundary, loaded_boundary = 0, 0  # segment starts in this rank's param and in the checkpoint tensor
-        for full_dim, extra, duplicate_groups in shard_spec:
-            shard_size = full_dim // tp_size
-            rank = 0 if duplicate_groups else tp_rank  # every rank copies the one group
-            loaded_skip = rank * shard_size
-            loaded_start = loaded_boundary + loaded_skip
-            take = min(shard_size, full_dim - extra - loaded_skip)
-            target = param.data[boundary: boundary + take]
-            target.copy_(loaded_weight[loaded_start: loaded_start + take].view_as(target))
-            boundary += shard_size
-            loaded_boundary += full_dim - extra
-
-    return loader
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

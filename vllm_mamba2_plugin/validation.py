@@ -11,7 +11,7 @@ Two kinds of check:
 
 from . import envs, patches
 from .compat import VerifyAndUpdateConfig
-from .spec import valid_tp_sizes
+from .sharding import valid_tp_sizes
 
 ERROR_PREFIX = "vllm-mamba2-plugin"
 
@@ -49,15 +49,13 @@ def check_engine_options(vllm_config) -> None:
 
 
 def check_parallel_sizes(parallel_config, config) -> None:
-    """TP sizes the heads and groups split by (spec.valid_tp_sizes); PP sizes up to the layer count (a stage
+    """TP sizes that divide the heads (sharding.valid_tp_sizes); PP sizes up to the layer count (a stage
     without layers would hold no state). vLLM's own check reads num_attention_heads, which Mamba2 configs lack."""
     tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
     valid_tp = valid_tp_sizes(config)
     if tp not in valid_tp:
-        _refuse(f"tensor_parallel_size={tp} for this model (num_heads={config.num_heads}, "
-                f"n_groups={config.n_groups})",
-                f"Valid tensor_parallel_size values: {valid_tp} (sizes that divide num_heads and n_groups, or any "
-                "divisor of num_heads when n_groups == 1).")
+        _refuse(f"tensor_parallel_size={tp} for this model (num_heads={config.num_heads})",
+                f"Valid tensor_parallel_size values: {valid_tp} (the divisors of num_heads).")
     layers = config.num_hidden_layers
     if not 1 <= pp <= layers:
         _refuse(f"pipeline_parallel_size={pp} for this model (num_hidden_layers={layers})",
