@@ -1,6 +1,6 @@
 """The decode step's conv update, three ways, on the GPU: is a ring-buffer conv state worth it? (No.)
 
-    python benchmarks/conv_update.py [--shapes 130m,2.7b,7b] [--batches 1,64,256] [--out results.jsonl]
+    python benchmarks/conv_update.py [--shapes 130m,2.7b,7b | grid] [--batches 1,64,256] [--out results.jsonl]
 
 On the H200 the plugin's decode step spends ~1.9 ms of a 26 ms 7b batch-256 step in causal-conv1d's
 ``causal_conv1d_update`` against ~1 ms for vLLM's Triton conv update (RESULTS.md). causal-conv1d's
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ssu_launch import device_time_us, emit  # noqa: E402
-from throughput import MODELS  # noqa: E402
+from throughput import GRID, MODELS  # noqa: E402
 
 W = 4
 K = W - 1
@@ -59,7 +59,7 @@ def main() -> None:
     dev = torch.device("cuda")
     out_f = open(args.out, "a") if args.out else None
     g = torch.Generator(device="cpu").manual_seed(0)
-    for shape in args.shapes.split(","):
+    for shape in GRID if args.shapes == "grid" else args.shapes.split(","):
         m = MODELS[shape]
         Dm = m["num_heads"] * m["head_dim"] + 2 * m["n_groups"] * m["state_size"]
         weight = (0.3 * torch.randn(Dm, W, generator=g)).to(dev, torch.bfloat16)

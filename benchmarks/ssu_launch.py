@@ -5,7 +5,8 @@
 mamba-ssm's wrapper launches ``_selective_scan_update_kernel`` with (BLOCK_SIZE_M, num_warps) = (4, 4) for
 d_state 128 whatever the batch; vLLM's in-tree copy of the same kernel reads tuned H200 configs
 (vllm/model_executor/layers/mamba/ops/configs/selective_state_update/). This runs the plugin's CUDA
-``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128; bf16 state, or
+``ssm_state_update`` on the three benchmark shapes (130m, 2.7b, 7b: head_dim 64, d_state 128; ``--shapes grid``:
+also the decode grid's head_dim 128 / d_state 64 shapes of benchmarks/throughput.py; bf16 state, or
 fp32 with ``--state-dtype float32``, i.e. ``--mamba-ssm-cache-dtype float32`` with bf16 weights) at batch
 1 / 64 / 256 with the plugin's default launch (``ssu_launch_config``: the table's entry, else mamba-ssm's
 wrapper), upstream's (4, 4) tile and other candidates, and reports device time per call (CUDA-graph replay of 20
@@ -14,18 +15,20 @@ are checked against the default launch and against the plain-torch
 reference (``kernels.reference.ssm_state_update``) from the same initial pool.
 
 Needs only torch, triton and mamba-ssm's Triton files (not vLLM, not causal-conv1d): on the GPU machine
-PYTHONPATH can point at the unpacked mamba-ssm source tree.
+PYTHONPATH can point at the unpacked mamba-ssm source tree. (throughput.py, for the shapes, imports no vLLM at
+module level.)
 """
 
 import argparse
 import json
+import os
 import sys
 import types
 
 import torch
 
-SHAPES = {"130m": (24, 1), "2.7b": (80, 1), "7b": (128, 8)}  # heads, groups; head_dim 64, d_state 128
-P, N = 64, 128
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from throughput import GRID, MODELS  # noqa: E402  (the model shapes: heads, groups, head_dim, d_state)
 # None = the plugin's default launch for the shape (SSU_LAUNCH_TABLE's entry, else mamba-ssm's wrapper, which
 # launches (4, 4)); (4, 4) is listed explicitly because once the table has an entry, None is no longer upstream's.
 CANDIDATES = [None, (4, 4), (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4)]
@@ -36,7 +39,6 @@ def load_kernels():
     Mamba1 CUDA extension and causal-conv1d)."""
     import importlib
     import importlib.util
-    import os
 
     if "mamba_ssm" not in sys.modules:
         spec = importlib.util.find_spec("mamba_ssm")
@@ -85,7 +87,7 @@ def emit(row: dict, out_f) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--shapes", default="130m,2.7b,7b")
+    ap.add_argument("--shapes", default="130m,2.7b,7b", help="names of throughput.MODELS, or grid")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--state-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
@@ -97,8 +99,9 @@ def main() -> None:
     state_dtype = getattr(torch, args.state_dtype)
     out_f = open(args.out, "a") if args.out else None
     g = torch.Generator(device="cpu").manual_seed(0)
-    for shape in args.shapes.split(","):
-        H, G = SHAPES[shape]
+    for shape in GRID if args.shapes == "grid" else args.shapes.split(","):
+        m = MODELS[shape]
+        H, G, P, N = m["num_heads"], m["n_groups"], m["head_dim"], m["state_size"]
         for bs in [int(b) for b in args.batches.split(",")]:
             slots = 2 * bs + 1
             pool0 = (0.5 * torch.randn(slots, H, P, N, generator=g)).to(dev, state_dtype)
@@ -133,7 +136,8 @@ def main() -> None:
                 base_us = us if cfg is None else base_us
                 gbs = 2 * bs * H * P * N * state_dtype.itemsize / (us * 1e-6) / 1e9
                 label = cfg or default_label
-                row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, config=label,
+                row = dict(shape=shape, state_dtype=args.state_dtype, batch=bs, heads=H, groups=G, head_dim=P,
+                           d_state=N, config=label,
                            us=round(us, 2), state_GBps=round(gbs), speedup=round(base_us / us, 2),
                            max_abs_diff_vs_default=err_up,
                            rel_err_vs_reference=round(err_ref, 5), state_rel_err_vs_reference=round(st_ref, 5),
