@@ -18,7 +18,6 @@ vLLM reads it through a config parser (``MambaSsmConfigParser``, format "mamba_s
 "hf" slot: it hands such a config.json to the mamba_ssm parser and everything else to vLLM's own (patches.py, 2).
 """
 
-import json
 import math
 import os
 
@@ -108,12 +107,6 @@ def hf_config_dict(config: dict) -> dict:
 
 def read_config_json(model, revision=None) -> dict | None:
     """config.json of a local directory or a Hub repository (None if there is none)."""
-    if os.path.isdir(str(model)):
-        path = os.path.join(str(model), "config.json")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
     from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
     return get_hf_file_to_dict("config.json", str(model), revision)

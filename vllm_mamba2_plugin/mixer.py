@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import compat, envs
+from . import compat, envs, sharding
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels
 from .kernels.reference import row_range
-from . import sharding
 from .spec import Mamba2StateSpec, conv_dim, state_shapes
 
 OP_NAME = "mamba2_plugin_mixer"
@@ -43,7 +42,6 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_heads={config.num_heads}")
         H, P, G, N = config.num_heads, config.head_dim, config.n_groups, config.state_size
         self.prefix = prefix
-        self.tp_size = tp
         self.hidden_size = config.hidden_size
         # This rank's sizes.
         self.num_heads = H // tp
@@ -96,11 +94,11 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         )
         # Every parameter loads through a loader that takes this rank's part of the checkpoint tensor
         # (out_proj keeps RowParallelLinear's own).
+        by_head = compat.sharded_weight_loader(0)  # this rank's contiguous slice: heads, or their channels
         for param, loader in ((self.in_proj.weight, in_proj_loader), (self.in_proj.bias, in_proj_loader),
                               (self.conv1d.weight, conv_loader), (self.conv1d.bias, conv_loader),
-                              (self.A, compat.sharded_weight_loader(0)), (self.D, compat.sharded_weight_loader(0)),
-                              (self.dt_bias, compat.sharded_weight_loader(0)),
-                              (self.norm.weight, compat.sharded_weight_loader(0))):
+                              (self.A, by_head), (self.D, by_head), (self.dt_bias, by_head),
+                              (self.norm.weight, by_head)):
             if param is not None:
                 param.weight_loader = loader
 
