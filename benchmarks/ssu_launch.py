@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from throughput import GRID, MODELS  # noqa: E402  (the model shapes: heads, groups, head_dim, d_state)
 # None = the plugin's default launch for the shape (SSU_LAUNCH_TABLE's entry, else mamba-ssm's wrapper, which
-# launches (4, 4)); (4, 4) is listed explicitly because once the table has an entry, None is no longer upstream's.
+# launches ``wrapper_tile``); (4, 4) and (8, 4), the wrapper's tiles for d_state 128 and 64, are listed explicitly
+# because once the table has an entry, None is no longer upstream's.
 CANDIDATES = [None, (4, 4), (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4)]
 
 
@@ -51,6 +52,12 @@ def load_kernels():
     ssu = importlib.import_module("mamba_ssm.ops.triton.selective_state_update")
     return types.SimpleNamespace(selective_state_update=ssu.selective_state_update,
                                  ssu_kernel=ssu._selective_scan_update_kernel)
+
+
+def wrapper_tile(dstate: int) -> tuple:
+    """The (BLOCK_SIZE_M, num_warps) mamba-ssm's wrapper launches (selective_state_update.py:193-197)."""
+    return (32, 4) if dstate <= 16 else (16, 4) if dstate <= 32 else (8, 4) if dstate <= 64 else (4, 4) \
+        if dstate <= 128 else (4, 8)
 
 
 def device_time_us(fn, reps=20, replays=5) -> float:
@@ -119,7 +126,7 @@ def main() -> None:
             y_up = cuda.ssm_state_update(up_pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True)
             base_us = None
             default = decode_step.ssu_launch_config(bs, H, P, N, state_dtype)
-            default_label = f"default: table {default}" if default else "default: upstream wrapper (4, 4)"
+            default_label = f"default: table {default}" if default else f"default: upstream wrapper {wrapper_tile(N)}"
             for cfg in CANDIDATES:
                 pool = pool0.clone()
                 y = cuda.ssm_state_update(pool, x, dt, A, Bm, Cm, idx, D=D, dt_bias=dt_bias, dt_softplus=True,

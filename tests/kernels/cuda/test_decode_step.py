@@ -43,15 +43,18 @@ def test_ssm_state_update_pool(kern, name, with_D, dtypes):
 
 
 @pytest.mark.parametrize("pool_dtype", [BF16, F32], ids=["bf16_state", "f32_state"])
-@pytest.mark.parametrize("H, G", [(24, 1), (80, 1), (128, 8)], ids=["130m", "2.7b", "7b"])
-@pytest.mark.parametrize("launch", [None, (16, 2), (32, 4), (4, 4), (4, 1)], ids=["table", "16x2", "32x4", "4x4", "4x1"])
-def test_ssm_state_update_launch_configs(kern, H, G, launch, pool_dtype):
+@pytest.mark.parametrize("H, G, P, N", [(24, 1, 64, 128), (80, 1, 64, 128), (128, 8, 64, 128), (48, 4, 128, 128),
+                                        (32, 8, 128, 64), (48, 4, 64, 64)],
+                         ids=["130m", "2.7b", "7b", "p128_n128", "p128_n64", "p64_n64"])
+@pytest.mark.parametrize("launch", [None, (16, 2), (32, 4), (4, 4), (16, 1), (8, 2)],
+                         ids=["table", "16x2", "32x4", "4x4", "16x1", "8x2"])
+def test_ssm_state_update_launch_configs(kern, H, G, P, N, launch, pool_dtype):
     """The plugin's own launches of mamba-ssm's state-update kernel (ssu_launch_config's table, and explicit
-    tiles) on the benchmark shapes, bf16 and fp32 pools with bf16 inputs: same results as the plain-torch
-    reference, other slots intact."""
+    tiles) on the decode grid's (head_dim, d_state) pairs, bf16 and fp32 pools with bf16 inputs: same results as
+    the plain-torch reference, other slots intact."""
     if kern.name == "fake":
         pytest.skip("launches the Triton kernel itself: GPU only")
-    P, N, Bsz, slots = 64, 128, 64, 150
+    Bsz, slots = 64, 150
     g = gen(63)
     pool = (0.5 * rnd(g, slots, H, P, N)).to(kern.dev, pool_dtype)
     pool_r = pool.clone()
@@ -62,7 +65,7 @@ def test_ssm_state_update_launch_configs(kern, H, G, launch, pool_dtype):
     A = -torch.exp(torch.rand(H, generator=g) * 2.7).to(kern.dev)
     B, C = rnd(g, Bsz, G, N).to(kern.dev, BF16), rnd(g, Bsz, G, N).to(kern.dev, BF16)
     D = rnd(g, H).to(kern.dev)
-    if launch is None:  # the table's H200 choice applies here (batch*heads 1536-8192)
+    if launch is None and (P, N) == (64, 128):  # the table's H200 choice applies here (batch*heads 1536-8192)
         assert decode_step.ssu_launch_config(Bsz, H, P, N, pool_dtype) == ((16, 2) if pool_dtype == BF16 else (4, 1))
     y = ck.ssm_state_update(pool, x, dt, A, B, C, idx, D=D, dt_bias=dt_bias, dt_softplus=True, launch=launch)
     y_r = ref.ssm_state_update(pool_r, x, ref.process_dt(dt, dt_bias), A, B, C, idx, D=D)
@@ -81,6 +84,13 @@ def test_ssu_launch_table_keeps_upstream_for_unmeasured_shapes():
     assert decode_step.ssu_launch_config(64, 24, 64, 128, torch.float64) is None  # 8-byte state: no entry
     assert decode_step.ssu_launch_config(64, 24, 32, 128, BF16) is None  # head_dim 32: not measured
     assert decode_step.ssu_launch_config(4, 24, 64, 128, torch.float16) == (16, 2)
+    # head_dim 128 / d_state 64: measured from batch*heads 2048 (16-bit) and 8192 (fp32)
+    assert decode_step.ssu_launch_config(42, 48, 128, 128, BF16) is None
+    assert decode_step.ssu_launch_config(43, 48, 128, 128, BF16) == (16, 2)
+    assert decode_step.ssu_launch_config(256, 32, 128, 64, BF16) == (16, 1)
+    assert decode_step.ssu_launch_config(256, 48, 64, 64, BF16) == (16, 1)
+    assert decode_step.ssu_launch_config(128, 48, 128, 128, F32) is None
+    assert decode_step.ssu_launch_config(256, 48, 128, 128, F32) == (8, 2)
 
 
 @pytest.mark.parametrize("launch", [None, (16, 2)], ids=["upstream", "16x2"])

@@ -76,21 +76,30 @@ def ssm_state_update(
     return _launch_ssu(k, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
 
 
-# (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``. Its wrapper always launches
-# (4, 4) for d_state 128 (selective_state_update.py:193-197): head_dim/4 x batch x heads programs of one 4 x 128
-# tile each, which reaches ~1.7 TB/s of state traffic on an H200. Measured there (benchmarks/ssu_launch.py,
-# RESULTS.md, 2026-12-02): (16, 2) runs 2.1-3.0x faster from batch*heads >= 1536 (3.6-3.9 TB/s) and 1.3-1.5x at
-# batch 1 with 80-128 heads; at batch*heads = 24 the two are within noise, so small launches keep upstream's.
-# Keyed by (head_dim, d_state, state bytes); shapes not measured keep the upstream launch.
-# fp32 states (--mamba-ssm-cache-dtype float32): the tile of vLLM 0.26's tuned H200 table for its copy of this
-# kernel (configs/selective_state_update/headdim=64,dstate=128,device_name=NVIDIA_H200,cache_dtype=float32.json:
-# BLOCK_SIZE_M 4 with one warp up to batch*heads 8192, 8 with one warp around 12288-24576), simplified to those
-# two. Measured on the H200 (ssu_launch.py --state-dtype float32, RESULTS.md, 2026-12-03): these run at 3.7-3.9
-# TB/s of state traffic at 2.7b and 7b, batch 64 and 256, and no other candidate was more than 2 % faster (a
-# flat optimum); upstream's own (4, 4) was not in that sweep (the script's baseline row was this table's entry).
+# (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``, keyed by (head_dim, d_state, state
+# bytes); shapes not in the table keep the upstream launch. Its wrapper launches one fixed tile per d_state
+# (selective_state_update.py:193-197: (4, 4) for d_state 128, (8, 4) for 64) whatever the batch: head_dim/4 x
+# batch x heads programs of one 4 x 128 tile each, ~1.7 TB/s of state traffic on an H200. vLLM's in-tree copy
+# reads tuned H200 files for head_dim 64 / d_state 128 only and falls back to the same tiles elsewhere.
+# Measured on the H200 (benchmarks/ssu_launch.py, RESULTS.md "State-update launch"):
+# - 16-bit states: a 16-row tile runs 2.1-3.0x faster than upstream's from batch*heads >= 1536 on every measured
+#   shape (3.6-3.9 TB/s): two warps for d_state 128 (head_dim 64 and 128), one for d_state 64 (two warps: up to 20 %
+#   slower at batch 64). (64, 128) also from batch*heads 64 (1.3-1.5x at batch 1 with 80-128 heads; at 24 the two
+#   are within noise). The other shapes' entries start at their smallest measured batch*heads (2048).
+# - fp32 states (--mamba-ssm-cache-dtype float32): (64, 128) takes vLLM 0.26's tuned H200 tiles (its
+#   headdim=64,dstate=128,...,cache_dtype=float32.json: BLOCK_SIZE_M 4 with one warp up to batch*heads 8192, 8
+#   with one warp around 12288-24576), simplified to those two; the other shapes were measured at batch 256
+#   only (8192-12288 rows), where the optimum is flat (every 8- or 16-row tile within 3 %) and upstream's tile
+#   is 9-60 % slower.
 SSU_LAUNCH_TABLE: dict = {
     (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
+    (128, 128, 2): [(2048, (16, 2))],
+    (128, 64, 2): [(2048, (16, 1))],
+    (64, 64, 2): [(2048, (16, 1))],
     (64, 128, 4): [(64, (4, 1)), (12288, (8, 1))],
+    (128, 128, 4): [(8192, (8, 2))],
+    (128, 64, 4): [(8192, (16, 1))],
+    (64, 64, 4): [(8192, (16, 1))],
 }
 
 
