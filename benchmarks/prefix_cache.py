@@ -8,8 +8,11 @@ in-tree runs with VLLM_PLUGINS=""). Models: random weights in the shapes of benc
 a random system prompt of --system tokens; one request with it first (it fills the cache), then --requests
 requests, each the system prompt and a unique suffix of --suffix-min..--suffix-max tokens, submitted at once,
 greedy, --new tokens each. Reported per worker, over the batch: wall time, output and total tok/s, mean time to
-first token (vLLM's histogram), prefix-cache queries and hits against the ideal (per request the system prompt
-rounded down to a block), and the memory the cached states take (blocks holding a hash x bytes per block).
+first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits), the tokens each request
+took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's numerator, independent of
+the stats path) against the ideal (per request the system prompt rounded down to a block), and the memory the
+cached states take (blocks holding a hash x bytes per block). Every engine captures CUDA graphs for the same
+--capture-sizes.
 Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
 --intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all").
 """
@@ -61,15 +64,25 @@ def worker(job: dict) -> dict:
     system = torch.randint(3, vocab, (job["system"],), generator=g).tolist()
     lens = torch.randint(job["suffix_min"], job["suffix_max"] + 1, (job["requests"],), generator=g).tolist()
     prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    # A multiple of 128: vLLM 0.26's in-tree "all" mode sizes its FULL-graph decode buffer cdiv(max_model_len, 16)
+    # blocks wide and copies the block table (rounded up to 8 columns) into it, so other lengths crash at capture.
+    max_model_len = -(-(job["system"] + job["suffix_max"] + job["new"] + 16) // 128) * 128
     kwargs = dict(model=job["model_dir"], dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-                  max_model_len=job["system"] + job["suffix_max"] + job["new"] + 16, seed=0,
+                  max_model_len=max_model_len, seed=0,
                   max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
                   enable_prefix_caching=job["mode"] != "off", disable_log_stats=False)
     if job["mode"] not in ("off", "on"):
         kwargs["mamba_cache_mode"] = job["mode"]
+    if job["profile_dir"]:  # vLLM's engine-core torch profiler (benchmarks/trace_steps.py reads its trace)
+        kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
+                                         torch_profiler_with_stack=False, ignore_frontend=True)
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.85
+        if job["capture_sizes"]:  # the same CUDA-graph sizes for every engine (fewer: a shorter start-up)
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": job["capture_sizes"]}
+    t_start = time.perf_counter()
     llm = LLM(**kwargs)
+    startup = time.perf_counter() - t_start
     params = SamplingParams(temperature=0.0, max_tokens=job["new"], ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=system + [5])], params, use_tqdm=False)  # fills the cache
     block = llm.llm_engine.vllm_config.cache_config.block_size
@@ -83,12 +96,20 @@ def worker(job: dict) -> dict:
     total = after.get("ttft", (0, 0.0))[1] - before.get("ttft", (0, 0.0))[1]
     hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
     ideal = len(prompts) * (job["system"] // block * block)
-    return dict(impl=job["impl"], mode=job["mode"], block=block, wall_s=round(wall, 3),
+    cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)  # each request's own count: no stats path
+    if job["profile_dir"]:  # the same workload with new suffixes (the timed ones are cached now), profiled
+        again = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        llm.start_profile()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in again], params, use_tqdm=False)
+        llm.stop_profile()
+    return dict(impl=job["impl"], mode=job["mode"], block=block, startup_s=round(startup, 1),
+                wall_s=round(wall, 3),
                 output_tok_s=round(new_tokens / wall, 1),
                 total_tok_s=round((new_tokens + sum(map(len, prompts))) / wall, 1),
                 mean_ttft_ms=round(1000 * total / count, 2) if count else None,
                 queries=after.get("vllm:prefix_cache_queries", 0) - before.get("vllm:prefix_cache_queries", 0),
-                hits=hits, ideal_hits=ideal, hit_share_of_ideal=round(hits / ideal, 3) if ideal else None,
+                hits=hits, cached_tokens=cached_tokens, ideal_hits=ideal,
+                hit_share_of_ideal=round(cached_tokens / ideal, 3) if ideal else None,
                 cached_state_bytes=cached_state_bytes(llm))
 
 
@@ -98,6 +119,10 @@ def main() -> None:
     ap.add_argument("--impls", default="plugin,intree")
     ap.add_argument("--modes", default="off,on", help="off, on (each implementation's default caching mode)")
     ap.add_argument("--intree-modes", default="", help="extra in-tree mamba_cache_mode values, e.g. align")
+    ap.add_argument("--jobs", default="", help="impl:mode pairs in run order (instead of --impls/--modes), "
+                    "e.g. plugin:off,plugin:on,intree:on,intree:align")
+    ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256",
+                    help="CUDA-graph capture sizes of every engine; empty: vLLM's default list")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--suffix-min", type=int, default=64)
@@ -105,6 +130,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--profile", default=None, help="also profile a second batch (new suffixes) of every worker "
+                    "into DIR/<impl>-<mode>/ (benchmarks/trace_steps.py reads it)")
     ap.add_argument("--smoke", action="store_true", help="a tiny workload: checks the harness on a CPU")
     ap.add_argument("--out", default=None, help="append one JSON line per worker here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -125,8 +152,13 @@ def main() -> None:
         json.dump(cfg, open(cfg_path, "w"))
     jobs = [(impl, mode) for impl in args.impls.split(",") for mode in args.modes.split(",")]
     jobs += [("intree", m) for m in args.intree_modes.split(",") if m and "intree" in args.impls]
+    if args.jobs:
+        jobs = [tuple(j.split(":")) for j in args.jobs.split(",")]
+    capture_sizes = [int(c) for c in args.capture_sizes.split(",") if c]
     for impl, mode in jobs:
         job = dict(impl=impl, mode=mode, model_dir=model_dir, vocab=MODELS[args.model]["vocab_size"],
+                   capture_sizes=capture_sizes,
+                   profile_dir=os.path.abspath(os.path.join(args.profile, f"{impl}-{mode}")) if args.profile else None,
                    **{k: getattr(args, k) for k in ("requests", "system", "suffix_min", "suffix_max", "new",
                                                      "max_num_seqs", "max_num_batched_tokens")})
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
