@@ -48,13 +48,16 @@ def kern(request, monkeypatch):
     return SimpleNamespace(name="cuda", dev=torch.device("cuda"))
 
 
-@pytest.fixture(params=["rerun", "correction"])
+@pytest.fixture(params=["rerun", "rows", "correction"])
 def resume_path(request, kern, monkeypatch):
     """How sequences that resume a saved state are handled: "rerun" (each one alone through the kernels'
-    native initial state; the wrappers' choice for up to varlen_plan.SEPARATE_RESUMED_MAX of them) or "correction"
-    (the batched exact correction of the SSD output and the extended conv buffer; forced here). Returns the
-    list of SSD forward calls' batch-row lengths, to check which path ran."""
+    native initial state; the wrappers' choice for up to varlen_plan.SEPARATE_RESUMED_MAX of them), "rows" (all
+    of them as the padded rows of one more call, each from its own state; the choice for more, while the padding
+    stays within varlen_plan.ROWS_MAX_PADDING) or "correction" (the batched exact correction of the SSD output);
+    "rows" and "correction" are forced here, and both use the extended conv buffer. Returns the list of SSD
+    forward calls' batch-row lengths, to check which path ran."""
     monkeypatch.setattr(varlen_plan, "SEPARATE_RESUMED_MAX", 3 if request.param == "rerun" else -1)
+    monkeypatch.setattr(varlen_plan, "ROWS_MAX_PADDING", 0.0 if request.param == "correction" else float("inf"))
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
     calls, real = [], ns.ssd_fwd
 

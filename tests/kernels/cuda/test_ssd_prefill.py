@@ -37,9 +37,11 @@ def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
             a, b = int(cu[s]), int(cu[s + 1])
             assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
             assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
-    # one packed call per wrapper call, plus (rerun) one per resumed sequence, of exactly its length
+    # one packed call per wrapper call, plus (rerun) one per resumed sequence, of exactly its length, or (rows)
+    # one of rows as long as the longest, rounded up to 16
     resumed = [n for n, f in zip(lens, flags) if f]
-    per_call = [sum(lens)] + (resumed if resume_path.name == "rerun" else [])
+    rows = [-(-max(resumed) // 16) * 16]
+    per_call = [sum(lens)] + {"rerun": resumed, "rows": rows, "correction": []}[resume_path.name]
     assert resume_path.calls == per_call * 2, resume_path.calls
 
 

@@ -18,16 +18,22 @@ from vllm_mamba2_plugin.kernels.cuda import decode_step, upstream, varlen_plan, 
 
 
 def _expected_ssd_calls(layouts, max_rerun):
-    """(packed length, given an initial state) of each SSD forward call the prefill wrappers make for these
+    """(batch-row length, given an initial state) of each SSD forward call the prefill wrappers make for these
     layouts (cuda.ssd_chunk_scan's dispatch): a lone resumed first sequence rides the packed call's own initial
-    state; up to max_rerun resumed sequences are rerun alone after a packed call without initial states; more
-    take the batched correction (one packed call)."""
+    state; up to max_rerun resumed sequences are rerun alone after a packed call without initial states; more go
+    as rows of one call, padded to the longest rounded up to 16, when that is at most twice their tokens and
+    at most 15 chunks (here the warm-up's lengths are all far below), else take the batched correction (one
+    packed call)."""
     calls = []
     for lengths, resumed in layouts:
         idx = [i for i, r in enumerate(resumed) if r]
         calls.append((sum(lengths), idx == [0]))
         if idx and idx != [0] and len(idx) <= max_rerun:
             calls += [(lengths[i], True) for i in idx]
+        elif len(idx) > max_rerun:
+            L = -(-max(lengths[i] for i in idx) // 16) * 16
+            if len(idx) * L <= 2 * sum(lengths[i] for i in idx):
+                calls.append((L, True))
     return calls
 
 
@@ -96,7 +102,11 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     assert ([1], [False]) in layouts and ([1], [True]) in layouts
     assert any(min(lengths) < W - 1 and not any(resumed) for lengths, resumed in layouts)  # extended conv buffer
     rerun = [r for r in calls if r[1]]
-    assert {37, 48, 1} <= {t for t, _ in rerun} and (80, False) in calls  # reruns and the batched correction
+    assert {37, 48, 1} <= {t for t, _ in rerun}  # reruns
+    assert ([1] * 4 + [20], [True] * 5) in layouts  # the batched correction: padding 32 x 5 rows for 24 tokens
+    rows = {(len(lengths), -(-max(lengths) // cs)) for lengths, resumed in layouts if sum(resumed) > 3}
+    want = {(n, c) for n, c in ((4, 1), (16, 1), (4, 2), (16, 2)) if n // 2 * ((c - 1) * cs + 16) + n // 2 <= T}
+    assert want <= rows  # rows calls of 4 and 16 rows (Triton classes), one and two chunks, where the budget allows
     n = len(calls)
     assert len(launched) >= 5
     warmup.warm_prefill(layer, projected)  # same signature: nothing runs again
@@ -171,7 +181,10 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
 
     conv_pool, ssm_pool = layer.scratch_pools(256, dev)
     steps = [(0, [64, 64, 64, 64], [False] * 4), (0, [512], [False]), (0, [512] * 16, [False] * 16),
-             (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16)]
+             (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16),
+             (0, [64 + 7 * i for i in range(30)], [True] * 30),  # prefix-cache hits: many resumed suffixes
+             (40, [100 + 5 * i for i in range(16)] + [512], [True] * 16 + [False]),
+             (8, [200] * 5 + [1] * 40, [True] * 45)]  # padding too much for rows: the correction
     steps += _chunked_prefill_steps(random.Random(0), budget, 40)
     missed = []
     for nd, lengths, resumed in steps:
@@ -197,14 +210,15 @@ def _ssu_specialisations(batches, H, P, N, state_dtype):
 
 
 @pytest.mark.parametrize("state_dtype", [BF16, F32, torch.float64], ids=["bf16", "f32", "f64"])
-@pytest.mark.parametrize("H", [24, 80, 128], ids=["130m", "2.7b", "7b"])
-def test_ssu_warm_batches_reach_every_launch_the_table_can_pick(H, state_dtype):
+@pytest.mark.parametrize("H, P, N", [(24, 64, 128), (80, 64, 128), (128, 64, 128), (48, 128, 128), (32, 128, 64),
+                                     (48, 64, 64)], ids=["130m", "2.7b", "7b", "p128_n128", "p128_n64", "p64_n64"])
+def test_ssu_warm_batches_reach_every_launch_the_table_can_pick(H, P, N, state_dtype):
     """The decode warm-up's batch sizes compile each (launch, batch specialisation) pair that a step of ANY
     batch size could need: checked against every batch size up to 4096 (brute force, not the formula)."""
-    want = _ssu_specialisations(range(1, 4097), H, 64, 128, state_dtype)
-    got = _ssu_specialisations(decode_step.ssu_warm_batches(H, 64, 128, state_dtype), H, 64, 128, state_dtype)
+    want = _ssu_specialisations(range(1, 4097), H, P, N, state_dtype)
+    got = _ssu_specialisations(decode_step.ssu_warm_batches(H, P, N, state_dtype), H, P, N, state_dtype)
     assert got == want
-    if state_dtype == F32:  # the fp32 table's second tile (from batch*heads 12288) is among them
+    if state_dtype == F32 and (P, N) == (64, 128):  # the fp32 table's second tile (from batch*heads 12288) is among them
         assert (decode_step.SSU_LAUNCH_TABLE[(64, 128, 4)][-1][1], "other") in got
 
 

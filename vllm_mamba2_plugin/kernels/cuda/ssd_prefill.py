@@ -26,10 +26,15 @@ launches each, and vLLM's runner can send many one-token rows that carry state.
 4. Up to ``varlen_plan.SEPARATE_RESUMED_MAX`` other resumed sequences: each is rerun alone as one batch row whose
    initial state the kernel takes natively, and its rows and final state overwritten (``_rerun_resumed``):
    fewer host launches than the correction, and prefill steps are host-bound.
-5. More: the exact correction (``add_initial_state``). SSD is linear in h0, so
+5. More (prefix-cache hits resume a suffix per request): all of them as the rows of ONE more call, each row
+   from its own initial state, padded at its end with tokens of processed dt 0, which leave a state unchanged
+   (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``), while the padding stays within
+   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens and dt_limit's lower bound is 0.
+6. Otherwise: the exact correction (``add_initial_state``). SSD is linear in h0, so
        y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
-   in float32 for the resumed sequences only, from the step sizes the kernel itself computed.
-6. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
+   in float32 for the resumed sequences only, from the step sizes the kernel itself computed: ~40 small
+   launches and (tokens, H, P) float32 temporaries per layer.
+7. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
    sequence at position 0, ssd_chunk_state.py:661-675); they keep their selected initial state.
 
 Final states come in C's dtype from the kernel's varlen states (float32 from a rerun's row): with bf16
@@ -117,6 +122,8 @@ def ssd_chunk_scan(
     elif plan.init is not None and initial_states is not None:
         if plan.reruns_resumed():
             out, fin_k = _rerun_resumed(fwd, out, fin_k, plan, initial_states)
+        elif plan.rows is not None and fwd.pads_are_inert():
+            out, fin_k = _resumed_rows(fwd, out, fin_k, plan, initial_states)
         else:
             lo, hi = plan.cu[0], plan.cu[-1]
             dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
@@ -169,6 +176,16 @@ class _Forward:
         self.x, self.dt, self.A, self.B, self.C, self.chunk_size, self.D = x, dt, A, B, C, int(chunk_size), D
         self.dt_bias, self.raw = dt_bias, dt_bias is not None
         self.dt_limit = dt_limit if self.raw else (0.0, float("inf"))
+
+    def pads_are_inert(self) -> bool:
+        """A padding token can be given a processed step size of exactly 0: the kernel clamps dt to dt_limit
+        after softplus, so a positive lower limit would turn the padding into real steps."""
+        return self.dt_limit[0] <= 0.0
+
+    def pad_dt(self) -> float:
+        """The dt of a padding token. Raw: softplus(-1e4 + dt_bias) = log(1 + exp(-1e4 + b)) = 0 in float32 (and
+        in the kernel's float32 arithmetic for a bf16 input), then clamped to [0, ...]; processed: 0."""
+        return -1e4 if self.raw else 0.0
 
     def __call__(self, a: int, b: int, **kw):
         def rows(t):
@@ -230,6 +247,27 @@ def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
     return out, fin_k
 
 
+def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
+    """Path 5: the resumed sequences as the rows of one more call, each from its own initial state (the kernels'
+    native form, one state per batch row), padded at the end to the longest (``ResumedRowsPlan``). A padding
+    token's dt is set so that the kernel's processed step size is 0 (``_Forward.pad_dt``): exp(0 * A) = 1 and
+    dt * B * x = 0, so it leaves the state as it is and a row's final state is its sequence's. Their rows of out
+    and their final states are overwritten. Returns (out, float32 final states)."""
+    rp, k = plan.rows, upstream.kernels()
+
+    def rows(t):
+        return t.index_select(0, rp.src).view(rp.I, rp.L, *t.shape[1:])
+
+    dt = fwd.dt.index_select(0, rp.src).masked_fill_(rp.pad[:, None], fwd.pad_dt()).view(rp.I, rp.L, -1)
+    res = k.ssd_fwd(rows(fwd.x), dt, fwd.A, rows(fwd.B), rows(fwd.C), fwd.chunk_size, D=fwd.D,
+                    dt_bias=fwd.dt_bias, dt_softplus=fwd.raw, dt_limit=fwd.dt_limit,
+                    initial_states=initial_states.index_select(0, plan.init.rows))
+    y = res[0].reshape(rp.I * rp.L, *res[0].shape[2:]).index_select(0, rp.real)
+    out = out.index_copy(0, rp.dst, y)
+    fin_k = fin_k.to(torch.float32).index_copy(0, plan.init.pos, res[5])  # float32 (ssd_state_passing.py:208)
+    return out, fin_k
+
+
 def add_initial_state(
     y: torch.Tensor,
     fin: torch.Tensor,
@@ -239,7 +277,7 @@ def add_initial_state(
     ip: InitCorrectionPlan,
     h0: torch.Tensor,
 ) -> torch.Tensor:
-    """Path 5: add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear
+    """Path 6: add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear
     in h0).
 
     y: (Tu, H, P) outputs of the kernel (any float dtype); fin: (S', H, P, N) float32 final states, updated
@@ -285,7 +323,7 @@ def add_initial_state(
 
 def _scatter(x, out, fin_k, plan: VarlenPlan, initial_states, has_initial_state, state_dtype):
     """The kernel's results (non-empty sequences, tokens cu[0]..cu[S]) in the contract's shapes: y (T, H, P),
-    zeros outside; final states (S, H, P, N), empty sequences keeping their selected initial state (path 6)."""
+    zeros outside; final states (S, H, P, N), empty sequences keeping their selected initial state (path 7)."""
     T, H, P = x.shape
     lo, hi = plan.cu[0], plan.cu[-1]
     if lo == 0 and hi == T:  # every token covered (the mixer's case): the kernel's output is the result

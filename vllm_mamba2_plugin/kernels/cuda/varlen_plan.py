@@ -21,10 +21,18 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-# At most this many resumed sequences in a step are rerun one by one (SSD scan and conv); more take the batched
-# initial-state correction. One rerun is ~6 kernel launches of host time, the correction ~40 small ones. (A lone
-# resumed sequence that opens the batch needs neither: ``VarlenPlan.native_first``.)
+# At most this many resumed sequences in a step are rerun one by one (SSD scan and conv); more go as the batch
+# rows of one more SSD call (``ResumedRowsPlan``), or where that would pad too much, take the batched
+# initial-state correction. One rerun is ~6 kernel launches of host time, the rows call ~12, the correction ~40
+# small ones with float32 temporaries of (tokens, H, P). (A lone resumed sequence that opens the batch needs
+# none of them: ``VarlenPlan.native_first``.)
 SEPARATE_RESUMED_MAX = 3
+# The rows call pads every resumed sequence to L, the longest rounded up to 16 (one Triton specialisation of the
+# length), and is taken while its I * L tokens stay within ROWS_MAX_PADDING times the resumed sequences' own
+# tokens (prefix-cache hits resume many short suffixes in one step) and L within ROWS_MAX_CHUNKS chunks (so a
+# rows call never has a multiple of 16 chunks: the start-up warm-up compiles the classes it can have).
+ROWS_MAX_PADDING = 2.0
+ROWS_MAX_CHUNKS = 15
 
 
 @dataclass
@@ -62,6 +70,23 @@ class InitCorrectionPlan:
 
 
 @dataclass
+class ResumedRowsPlan:
+    """The I resumed sequences as the rows of one (I, L) SSD batch, each padded at its end to L, the longest.
+
+    src: (I*L,) long: the token of x in each row position (padding repeats the sequence's first token: its x, B
+    and C only reach padding outputs, and its dt is overwritten so that it neither decays nor feeds the state);
+    pad: (I*L,) bool: padding positions; real: (Tr,) long: the row positions of the sequences' tokens, in packed
+    order; dst: (Tr,) long: those tokens relative to cu[0] (rows of the packed call's output)."""
+
+    I: int
+    L: int
+    src: torch.Tensor
+    pad: torch.Tensor
+    real: torch.Tensor
+    dst: torch.Tensor
+
+
+@dataclass
 class VarlenPlan:
     # host
     cu: List[int]  # (S+1) token bounds
@@ -77,6 +102,7 @@ class VarlenPlan:
     # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
+    rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
 
@@ -96,8 +122,9 @@ class VarlenPlan:
         return has_states and self.resumed == self.nonempty[:1] != []
 
     def reruns_resumed(self) -> bool:
-        """Resumed sequences are rerun one by one (at most ``SEPARATE_RESUMED_MAX`` of them), else corrected
-        in one batch (``ssd_prefill.add_initial_state``, the conv's extended buffer)."""
+        """Resumed sequences are rerun one by one (at most ``SEPARATE_RESUMED_MAX`` of them), else batched: as
+        rows of one more SSD call (``rows``) or by the correction (``ssd_prefill.add_initial_state``); the conv
+        then uses its extended buffer."""
         return len(self.resumed) <= SEPARATE_RESUMED_MAX
 
 
@@ -158,6 +185,8 @@ def build_plan(
         host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
     blk = _correction_host(host, cu_k_np, seq_idx_np, init_pos, chunk_size) if init_pos else 0
+    many = init_pos and len(init_pos) > SEPARATE_RESUMED_MAX
+    rows_shape = _rows_host(host, cu, ne, init_pos, chunk_size) if many else None
     in_place = {}
     for W in conv_widths:
         K = W - 1
@@ -178,6 +207,9 @@ def build_plan(
             block=blk, tok_start=dev["i_tok_start"], start=dev["i_start"], end=dev["i_end"], pos=dev["i_pos"],
             rows=dev["i_rows"], tok=dev["i_tok"], b_seq=dev["i_b_seq"],
         )
+    if rows_shape is not None:
+        plan.rows = ResumedRowsPlan(*rows_shape, src=dev["r_src"], pad=dev["r_pad"].bool(), real=dev["r_real"],
+                                    dst=dev["r_dst"])
     for W in conv_widths:
         K = W - 1
         cp = ConvPlan(K=K, E=num_tokens + S * K, in_place=in_place[K], last_row=dev[f"c{K}_last_row"])
@@ -221,6 +253,26 @@ def _correction_host(host: Dict[str, torch.Tensor], cu_k_np, seq_idx_np, init_po
         "i_tok": tok, "i_b_seq": b_seq,
     })
     return blk
+
+
+def _rows_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int], init_pos: List[int], chunk_size: int):
+    """The host tensors of the ``ResumedRowsPlan`` (added to host as "r_*") and its (I, L); None where the
+    padding or the length exceeds the limits (ROWS_MAX_PADDING, ROWS_MAX_CHUNKS)."""
+    seqs = [ne[i] for i in init_pos]
+    start = np.asarray([cu[s] for s in seqs], dtype=np.int64)
+    lens = np.asarray([cu[s + 1] - cu[s] for s in seqs], dtype=np.int64)
+    I, L = len(seqs), -(-int(lens.max()) // 16) * 16
+    if I * L > ROWS_MAX_PADDING * int(lens.sum()) or L > ROWS_MAX_CHUNKS * chunk_size:
+        return None
+    j = np.arange(L, dtype=np.int64)[None, :]
+    pad = j >= lens[:, None]  # (I, L)
+    src = np.where(pad, start[:, None], start[:, None] + j)
+    real = np.flatnonzero(~pad.reshape(-1))
+    host.update({
+        "r_src": torch.from_numpy(src.reshape(-1)), "r_pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
+        "r_real": torch.from_numpy(real), "r_dst": torch.from_numpy(src.reshape(-1)[real] - cu[0]),
+    })
+    return I, L
 
 
 def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:

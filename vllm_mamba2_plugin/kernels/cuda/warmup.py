@@ -93,8 +93,17 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     only in steps of more than 15 chunks, so that class is warmed only when the budget allows such steps.
 
     Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), up to
-    ``max_rerun`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more (the batched correction)."""
+    ``max_rerun`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more: as rows of one call
+    (``varlen_plan.ResumedRowsPlan``: batch rows I in Triton's classes "other" and 16k, row length L a multiple of
+    16 of one or of 2-15 chunks, where a step within the budget can have them: I * L <= 2 * tokens, half of
+    the rows padding) and by the batched correction (a long one among 1-token ones pads too much for rows)."""
     cs, reruns, many = chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
+    rows = []
+    for L in (16, cs + 16):
+        for n in (many, 16):
+            lengths = [L] * (n // 2) + [1] * (n - n // 2)
+            if sum(lengths) <= tokens:
+                rows.append((lengths, [True] * n))
     layouts = [
         ([tokens // 2, tokens - tokens // 2], [False, False]),  # the packed call (seq_idx, no initial state)
         ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
@@ -113,8 +122,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
         ([1], [True]),
         ([cs + 5, 2], [False, False]),
         (reruns + [cs], [True] * len(reruns) + [False]),
-        ([20] * many, [True] * many),
-    ]
+        ([1] * many + [20], [True] * (many + 1)),
+    ] + rows
 
 
 def _sync(dev: torch.device) -> None:
