@@ -235,3 +235,34 @@ def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
     assert_close(at, at_r, t, "boundary states")
     assert_close(y, y_r, t, "y")
     assert_close(fin, fin_r, t, "final states")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "tiny-g8", "real-g8"])
+def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeypatch):
+    """A step in which every sequence resumes a state (prefix-cache hits: a suffix per request), with the
+    wrappers' own limits: ONE SSD call of padded rows, no packed call; raw dt (softplus + dt_bias in the kernel,
+    as the mixer runs it), an empty flagged sequence (keeps its state) and padding tokens after the last one.
+    Against the reference, sequence by sequence."""
+    c = case(kern, name)
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    lens = [21, 30, 0, 25, 32, 17]
+    pad = 5
+    x, dt_raw, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11, pad=pad)
+    dt_bias = rnd(gen(12), c.H, scale=0.5).to(kern.dev)
+    flags = [True] * len(lens)
+    h0 = garbage_states(gen(13), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r = ref.ssd_chunk_scan(x, ref.process_dt(dt_raw, dt_bias), A, B, C, c.cs, cu, h0, hi, D=D)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    y, fin = ck.ssd_chunk_scan(x, dt_raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias)
+    assert calls == [(5, 32)], calls  # five non-empty rows of 32 (the longest, a multiple of 16)
+    t = tol(kern, "ssd", dtype)
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if b > a:
+            assert_close(y[a:b], y_r[a:b], t, f"y of sequence {s} (len {lens[s]})")
+        assert_close(fin[s], fin_r[s], t, f"final state of sequence {s} (len {lens[s]})")
+    assert torch.equal(y[-pad:].float().cpu(), torch.zeros(pad, c.H, c.P)), "padding tokens must give y = 0"

@@ -22,18 +22,19 @@ def _expected_ssd_calls(layouts, max_rerun):
     layouts (cuda.ssd_chunk_scan's dispatch): a lone resumed first sequence rides the packed call's own initial
     state; up to max_rerun resumed sequences are rerun alone after a packed call without initial states; more go
     as rows of one call, padded to the longest rounded up to 16, when that is at most twice their tokens and
-    at most 15 chunks (here the warm-up's lengths are all far below), else take the batched correction (one
-    packed call)."""
+    at most 15 chunks (here the warm-up's lengths are all far below) -- without the packed call when every
+    sequence resumes -- else take the batched correction (one packed call)."""
     calls = []
     for lengths, resumed in layouts:
         idx = [i for i, r in enumerate(resumed) if r]
-        calls.append((sum(lengths), idx == [0]))
+        L = -(-max([lengths[i] for i in idx] or [0]) // 16) * 16
+        rows = len(idx) > max_rerun and len(idx) * L <= 2 * sum(lengths[i] for i in idx)
+        if not (rows and len(idx) == len(lengths)):  # the packed call, unless every sequence resumes as a row
+            calls.append((sum(lengths), idx == [0]))
         if idx and idx != [0] and len(idx) <= max_rerun:
             calls += [(lengths[i], True) for i in idx]
-        elif len(idx) > max_rerun:
-            L = -(-max(lengths[i] for i in idx) // 16) * 16
-            if len(idx) * L <= 2 * sum(lengths[i] for i in idx):
-                calls.append((L, True))
+        elif rows:
+            calls.append((L, True))
     return calls
 
 

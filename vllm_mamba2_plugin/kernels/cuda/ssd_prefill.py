@@ -11,7 +11,8 @@ previous token's (ssd_chunk_scan.py:98-113). Per-sequence final states of a pack
 requires batch == 1 (ssd_combined.py:390). One call per resumed sequence would work, but costs 5 Triton
 launches each, and vLLM's runner can send many one-token rows that carry state.
 
-**The paths** (``ssd_chunk_scan``), all starting from ONE packed call of every non-empty sequence, with seq_idx:
+**The paths** (``ssd_chunk_scan`` -> ``_scan``), all but one (path 5 when every sequence resumes) starting from
+ONE packed call of every non-empty sequence, with seq_idx:
 
 1. Final states. When every sequence but the last ends on a chunk boundary (one sequence always does), they are
    the states that state passing hands from chunk to chunk: no ``chunk_state_varlen`` launch (``_packed_call``).
@@ -29,7 +30,8 @@ launches each, and vLLM's runner can send many one-token rows that carry state.
 5. More (prefix-cache hits resume a suffix per request): all of them as the rows of ONE more call, each row
    from its own initial state, padded at its end with tokens of processed dt 0, which leave a state unchanged
    (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``), while the padding stays within
-   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens and dt_limit's lower bound is 0.
+   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens and dt_limit's lower bound is 0. When every sequence of
+   the step resumes (a step of cache hits), that call is the only one: no packed call.
 6. Otherwise: the exact correction (``add_initial_state``). SSD is linear in h0, so
        y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
    in float32 for the resumed sequences only, from the step sizes the kernel itself computed: ~40 small
@@ -115,25 +117,37 @@ def ssd_chunk_scan(
         no_states = x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
         return result if boundary_offsets is None else (*result, no_states)
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
-    native = plan.native_first(initial_states is not None)
-    out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
-    if native:
-        fin_k = _patch_first_final(fin_k, res, plan, initial_states, chunk_size, state_dtype)
-    elif plan.init is not None and initial_states is not None:
-        if plan.reruns_resumed():
-            out, fin_k = _rerun_resumed(fwd, out, fin_k, plan, initial_states)
-        elif plan.rows is not None and fwd.pads_are_inert():
-            out, fin_k = _resumed_rows(fwd, out, fin_k, plan, initial_states)
-        else:
-            lo, hi = plan.cu[0], plan.cu[-1]
-            dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
-            fin_k = fin_k.to(torch.float32)
-            out = add_initial_state(out, fin_k, dt_ht, A, C[lo:hi], plan.init,
-                                    initial_states[plan.init.rows].to(torch.float32)).to(x.dtype)
+    out, fin_k = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
     if boundary_offsets is None:
         return result
     return (*result, _boundary_states(fwd, plan, initial_states, boundary_offsets, state_dtype, (H, P, N)))
+
+
+def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
+    """Paths 1-6 of the module doc: (out (Tu, H, P) in x's dtype, final states (S', H, P, N) of the non-empty
+    sequences, in C's dtype or float32)."""
+    has = initial_states is not None
+    native = plan.native_first(has)
+    rows = has and not native and plan.rows is not None and not plan.reruns_resumed() and fwd.pads_are_inert()
+    if rows and len(plan.resumed) == len(plan.nonempty):  # every sequence resumes: the rows call alone
+        return _resumed_rows(fwd, None, None, plan, initial_states)
+    out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
+    if native:
+        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype)
+    if plan.init is None or not has:
+        return out, fin_k
+    if plan.reruns_resumed():
+        return _rerun_resumed(fwd, out, fin_k, plan, initial_states)
+    if rows:
+        return _resumed_rows(fwd, out, fin_k, plan, initial_states)
+    lo, hi = plan.cu[0], plan.cu[-1]
+    H = fwd.x.shape[1]
+    dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
+    fin_k = fin_k.to(torch.float32)
+    out = add_initial_state(out, fin_k, dt_ht, fwd.A, fwd.C[lo:hi], plan.init,
+                            initial_states[plan.init.rows].to(torch.float32))
+    return out.to(fwd.x.dtype), fin_k
 
 
 def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):
@@ -252,7 +266,8 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
     native form, one state per batch row), padded at the end to the longest (``ResumedRowsPlan``). A padding
     token's dt is set so that the kernel's processed step size is 0 (``_Forward.pad_dt``): exp(0 * A) = 1 and
     dt * B * x = 0, so it leaves the state as it is and a row's final state is its sequence's. Their rows of out
-    and their final states are overwritten. Returns (out, float32 final states)."""
+    and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
+    None) and this call's results are the whole. Returns (out, float32 final states)."""
     rp, k = plan.rows, upstream.kernels()
 
     def rows(t):
@@ -263,9 +278,10 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
                     dt_bias=fwd.dt_bias, dt_softplus=fwd.raw, dt_limit=fwd.dt_limit,
                     initial_states=initial_states.index_select(0, plan.init.rows))
     y = res[0].reshape(rp.I * rp.L, *res[0].shape[2:]).index_select(0, rp.real)
+    if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32
+        return y, res[5]  # (ssd_state_passing.py:208)
     out = out.index_copy(0, rp.dst, y)
-    fin_k = fin_k.to(torch.float32).index_copy(0, plan.init.pos, res[5])  # float32 (ssd_state_passing.py:208)
-    return out, fin_k
+    return out, fin_k.to(torch.float32).index_copy(0, plan.init.pos, res[5])
 
 
 def add_initial_state(
