@@ -266,3 +266,36 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
             assert_close(y[a:b], y_r[a:b], t, f"y of sequence {s} (len {lens[s]})")
         assert_close(fin[s], fin_r[s], t, f"final state of sequence {s} (len {lens[s]})")
     assert torch.equal(y[-pad:].float().cpu(), torch.zeros(pad, c.H, c.P)), "padding tokens must give y = 0"
+
+
+@pytest.mark.parametrize("states", ["none", "unflagged-garbage"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_boundary_states_of_fresh_prompts_take_one_call(kern, name, states, monkeypatch):
+    """A prefix-caching step of fresh prompts (a cache miss: each prompt's first chunk of tokens crosses block
+    boundaries): the boundary states of all of them come from ONE call of padded rows from zero states, after
+    the packed call; with no initial states at all, or with garbage in unflagged slots. Against the reference."""
+    c = case(kern, name)
+    cs = c.cs
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    lens = [2 * cs + 5, cs, 3, 3 * cs]
+    offsets = [[cs, 2 * cs], [cs], [], [cs, 2 * cs, 3 * cs]]
+    x, _, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=14)
+    g = gen(15)
+    raw = rnd(g, sum(lens), c.H).to(kern.dev)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    flags = [False] * len(lens)
+    h0 = None if states == "none" else garbage_states(gen(16), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    hi = None if states == "none" else flags_of(flags, kern.dev)
+    cu = cu_of(lens, kern.dev)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
+                                          boundary_offsets=offsets)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias, boundary_offsets=offsets)
+    L = -(-3 * cs // 16) * 16
+    assert calls == [(1, sum(lens)), (3, L)], calls  # the packed call, then three rows up to their last offsets
+    t = tol(kern, "ssd", F32)
+    assert at.shape == at_r.shape == (6, c.H, c.P, c.N)
+    assert_close(at, at_r, t, "boundary states")
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")

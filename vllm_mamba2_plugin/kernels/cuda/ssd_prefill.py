@@ -55,7 +55,7 @@ import torch
 from .. import reference
 from ..reference import _select_initial, row_range
 from . import upstream
-from .varlen_plan import InitCorrectionPlan, VarlenPlan, build_plan
+from .varlen_plan import BoundaryRowsPlan, InitCorrectionPlan, VarlenPlan, boundary_rows, build_plan
 
 
 def plan_prefill(
@@ -153,12 +153,18 @@ def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
 def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of boundary_offsets (per sequence).
 
-    One forward per sequence that has offsets, over its tokens up to its last offset, as one batch row from its
-    own initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
+    Every sequence that has offsets runs over its tokens up to its last offset as a batch row from its own
+    initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
     o tokens, o a multiple of the chunk, is the state entering chunk o / chunk (``states``, after state passing,
-    in C's dtype), and after all of them the row's final state (float32). An offset that is not a multiple of
-    the chunk (a step that began inside a chunk) takes a forward of its own, ending there. Prefix caching's
-    prefill steps start on block boundaries, which are chunk multiples, so one forward per sequence is the rule."""
+    in C's dtype), and after the last offset the row's final state (float32). Two or more such sequences go as
+    the rows of ONE call (``varlen_plan.boundary_rows``: a fresh prompt's first step with prefix caching on
+    crosses boundaries in every sequence of ``chunk`` tokens or more); otherwise, or when the padding would be
+    too large, one forward per sequence. An offset that is not a multiple of the chunk (a step that began
+    inside a chunk) takes a forward of its own, ending there. Prefix caching's prefill steps start on block
+    boundaries, which are chunk multiples."""
+    rows = boundary_rows(plan, boundary_offsets, fwd.chunk_size) if fwd.pads_are_inert() else None
+    if rows is not None:
+        return _boundary_rows(fwd, rows, initial_states, state_dtype, hpn)
     cs, out = fwd.chunk_size, []
     for s, offs in enumerate(boundary_offsets):
         if not offs:
@@ -178,6 +184,25 @@ def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary
     if not out:
         return torch.zeros(0, *hpn, dtype=state_dtype, device=fwd.x.device)
     return torch.stack([t.to(state_dtype) for t in out])
+
+
+def _boundary_rows(fwd: "_Forward", rp: BoundaryRowsPlan, initial_states, state_dtype, hpn):
+    """The boundary states from one call of padded rows (``BoundaryRowsPlan``); (M, H, P, N) in state_dtype."""
+    H, P, N = hpn
+
+    def rows(t):
+        return t.index_select(0, rp.src).view(rp.I, rp.L, *t.shape[1:])
+
+    if initial_states is None:
+        h0 = fwd.x.new_zeros(rp.I, H, P, N, dtype=state_dtype)
+    else:  # unflagged rows hold garbage (vLLM never zeroes a slot): masked, not multiplied
+        h0 = initial_states.index_select(0, rp.seq).masked_fill_(rp.fresh[:, None, None, None], 0.0)
+    dt = fwd.dt.index_select(0, rp.src).masked_fill_(rp.pad[:, None], fwd.pad_dt()).view(rp.I, rp.L, -1)
+    res = upstream.kernels().ssd_fwd(rows(fwd.x), dt, fwd.A, rows(fwd.B), rows(fwd.C), fwd.chunk_size, D=fwd.D,
+                                     dt_bias=fwd.dt_bias, dt_softplus=fwd.raw, dt_limit=fwd.dt_limit,
+                                     initial_states=h0)
+    states = torch.cat([res[4].reshape(rp.I * rp.nchunks, H, P, N).to(state_dtype), res[5].to(state_dtype)])
+    return states.index_select(0, rp.pick)
 
 
 class _Forward:

@@ -87,6 +87,28 @@ class ResumedRowsPlan:
 
 
 @dataclass
+class BoundaryRowsPlan:
+    """Prefix caching's boundary states of a step from ONE SSD call: each sequence with boundary offsets (all chunk
+    multiples but maybe its last) as a batch row from its own initial state (zeros if fresh) over its tokens up to
+    its last offset, padded at the end to L (a multiple of 16; padding as in ``ResumedRowsPlan``). The state after
+    o tokens is then the state entering the row's chunk o / chunk (the call's ``states``), and after the last
+    offset the row's final state.
+
+    src, pad: (I*L,) as in ``ResumedRowsPlan``; seq: (I,) long: the rows' sequences (rows of initial_states);
+    fresh: (I,) bool: rows without a saved state (their initial state is zeroed); pick: (M,) long: for every
+    offset in boundary_offsets order, its state's row in cat(states (I * nchunks), final states (I))."""
+
+    I: int
+    L: int
+    nchunks: int
+    src: torch.Tensor
+    pad: torch.Tensor
+    seq: torch.Tensor
+    fresh: torch.Tensor
+    pick: torch.Tensor
+
+
+@dataclass
 class VarlenPlan:
     # host
     cu: List[int]  # (S+1) token bounds
@@ -105,6 +127,8 @@ class VarlenPlan:
     rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
+    # boundary_rows' result for the step's boundary offsets (the same list object for every layer): (offsets, plan)
+    boundary_cache: Optional[tuple] = None
 
     @property
     def S(self) -> int:
@@ -303,6 +327,37 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     final_row = (end_row[:, None] - K + np.arange(K)[None, :]).reshape(-1)
     return {k: torch.from_numpy(v) for k, v in
             (("tok_row", tok_row), ("state_row", state_row), ("seq_idx", seq_idx), ("final_row", final_row))}
+
+
+def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[BoundaryRowsPlan]:
+    """The ``BoundaryRowsPlan`` of these boundary offsets (per sequence, relative to its first token in the step),
+    built and uploaded once per plan; None where the rows call does not serve: fewer than two sequences with
+    offsets, an offset inside a chunk that is not its sequence's last (a step that began inside a block), or
+    padding / length beyond ROWS_MAX_PADDING / ROWS_MAX_CHUNKS (as for resumed rows)."""
+    if plan.boundary_cache is not None and plan.boundary_cache[0] is offsets:
+        return plan.boundary_cache[1]
+    seqs = [s for s, offs in enumerate(offsets) if offs]
+    lasts = [max(offsets[s]) for s in seqs]
+    L = -(-max(lasts or [0]) // 16) * 16
+    ok = (len(seqs) >= 2 and all(o % chunk_size == 0 or o == n for s, n in zip(seqs, lasts) for o in offsets[s])
+          and len(seqs) * L <= ROWS_MAX_PADDING * sum(lasts) and L <= ROWS_MAX_CHUNKS * chunk_size)
+    result = None
+    if ok:
+        I, nchunks = len(seqs), -(-L // chunk_size)
+        start = np.asarray([plan.cu[s] for s in seqs], dtype=np.int64)
+        n = np.asarray(lasts, dtype=np.int64)
+        pad = np.arange(L, dtype=np.int64)[None, :] >= n[:, None]
+        src = np.where(pad, start[:, None], start[:, None] + np.arange(L, dtype=np.int64)[None, :])
+        pick = [I * nchunks + i if o == lasts[i] else i * nchunks + o // chunk_size
+                for i, s in enumerate(seqs) for o in offsets[s]]
+        dev = _upload({"src": torch.from_numpy(src.reshape(-1)), "pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
+                       "seq": torch.tensor(seqs, dtype=torch.long),
+                       "fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
+                       "pick": torch.tensor(pick, dtype=torch.long)}, plan.device)
+        result = BoundaryRowsPlan(I=I, L=L, nchunks=nchunks, src=dev["src"], pad=dev["pad"].bool(), seq=dev["seq"],
+                                  fresh=dev["fresh"].bool(), pick=dev["pick"])
+    plan.boundary_cache = (offsets, result)
+    return result
 
 
 def conv_plan(plan: VarlenPlan, K: int, extended: bool = False) -> ConvPlan:
