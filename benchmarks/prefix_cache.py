@@ -7,7 +7,8 @@ One worker process per (implementation, caching mode), one after the other (vLLM
 in-tree runs with VLLM_PLUGINS=""). Models: random weights in the shapes of benchmarks/throughput.py. Workload:
 a random system prompt of --system tokens; one request with it first (it fills the cache), then --requests
 requests, each the system prompt and a unique suffix of --suffix-min..--suffix-max tokens, submitted at once,
-greedy, --new tokens each. Reported per worker, over the batch: wall time, output and total tok/s, mean time to
+greedy, --new tokens each (``--workload misses``: prompts of the same lengths sharing nothing, to measure what
+caching costs when nothing hits). Reported per worker, over the batch: wall time, output and total tok/s, mean time to
 first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits), the tokens each request
 took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's numerator, independent of
 the stats path) against the ideal (per request the system prompt rounded down to a block), and the memory the
@@ -64,6 +65,8 @@ def worker(job: dict) -> dict:
     system = torch.randint(3, vocab, (job["system"],), generator=g).tolist()
     lens = torch.randint(job["suffix_min"], job["suffix_max"] + 1, (job["requests"],), generator=g).tolist()
     prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    if job["workload"] == "misses":  # the same lengths, nothing shared: what caching costs when nothing hits
+        prompts = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
     # A multiple of 128: vLLM 0.26's in-tree "all" mode sizes its FULL-graph decode buffer cdiv(max_model_len, 16)
     # blocks wide and copies the block table (rounded up to 8 columns) into it, so other lengths crash at capture.
     max_model_len = -(-(job["system"] + job["suffix_max"] + job["new"] + 16) // 128) * 128
@@ -95,14 +98,14 @@ def worker(job: dict) -> dict:
     count = after.get("ttft", (0, 0.0))[0] - before.get("ttft", (0, 0.0))[0]
     total = after.get("ttft", (0, 0.0))[1] - before.get("ttft", (0, 0.0))[1]
     hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
-    ideal = len(prompts) * (job["system"] // block * block)
+    ideal = len(prompts) * (job["system"] // block * block) if job["workload"] == "hits" else 0
     cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)  # each request's own count: no stats path
     if job["profile_dir"]:  # the same workload with new suffixes (the timed ones are cached now), profiled
         again = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
         llm.start_profile()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in again], params, use_tqdm=False)
         llm.stop_profile()
-    return dict(impl=job["impl"], mode=job["mode"], block=block, startup_s=round(startup, 1),
+    return dict(impl=job["impl"], mode=job["mode"], workload=job["workload"], block=block, startup_s=round(startup, 1),
                 wall_s=round(wall, 3),
                 output_tok_s=round(new_tokens / wall, 1),
                 total_tok_s=round((new_tokens + sum(map(len, prompts))) / wall, 1),
@@ -123,6 +126,8 @@ def main() -> None:
                     "e.g. plugin:off,plugin:on,intree:on,intree:align")
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256",
                     help="CUDA-graph capture sizes of every engine; empty: vLLM's default list")
+    ap.add_argument("--workload", default="hits", choices=["hits", "misses"],
+                    help="hits: every request shares the system prompt; misses: the same lengths, nothing shared")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--suffix-min", type=int, default=64)
@@ -159,7 +164,7 @@ def main() -> None:
         job = dict(impl=impl, mode=mode, model_dir=model_dir, vocab=MODELS[args.model]["vocab_size"],
                    capture_sizes=capture_sizes,
                    profile_dir=os.path.abspath(os.path.join(args.profile, f"{impl}-{mode}")) if args.profile else None,
-                   **{k: getattr(args, k) for k in ("requests", "system", "suffix_min", "suffix_max", "new",
+                   **{k: getattr(args, k) for k in ("workload", "requests", "system", "suffix_min", "suffix_max", "new",
                                                      "max_num_seqs", "max_num_batched_tokens")})
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if impl == "intree":

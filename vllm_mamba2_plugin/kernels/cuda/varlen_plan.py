@@ -350,7 +350,8 @@ def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[Bounda
         src = np.where(pad, start[:, None], start[:, None] + np.arange(L, dtype=np.int64)[None, :])
         pick = [I * nchunks + i if o == lasts[i] else i * nchunks + o // chunk_size
                 for i, s in enumerate(seqs) for o in offsets[s]]
-        dev = _upload({"src": torch.from_numpy(src.reshape(-1)), "pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
+        dev = _upload({"src": torch.from_numpy(src.reshape(-1)),
+                       "pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
                        "seq": torch.tensor(seqs, dtype=torch.long),
                        "fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
                        "pick": torch.tensor(pick, dtype=torch.long)}, plan.device)
