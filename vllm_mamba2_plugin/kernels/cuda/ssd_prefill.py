@@ -55,7 +55,7 @@ import torch
 from .. import reference
 from ..reference import _select_initial, row_range
 from . import upstream
-from .varlen_plan import BoundaryRowsPlan, InitCorrectionPlan, VarlenPlan, boundary_rows, build_plan
+from .varlen_plan import BoundaryRowsPlan, InitCorrectionPlan, PaddedRows, VarlenPlan, boundary_rows, build_plan
 
 
 def plan_prefill(
@@ -186,23 +186,17 @@ def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary
     return torch.stack([t.to(state_dtype) for t in out])
 
 
-def _boundary_rows(fwd: "_Forward", rp: BoundaryRowsPlan, initial_states, state_dtype, hpn):
+def _boundary_rows(fwd: "_Forward", bp: BoundaryRowsPlan, initial_states, state_dtype, hpn):
     """The boundary states from one call of padded rows (``BoundaryRowsPlan``); (M, H, P, N) in state_dtype."""
     H, P, N = hpn
-
-    def rows(t):
-        return t.index_select(0, rp.src).view(rp.I, rp.L, *t.shape[1:])
-
+    I = bp.rows.I
     if initial_states is None:
-        h0 = fwd.x.new_zeros(rp.I, H, P, N, dtype=state_dtype)
+        h0 = fwd.x.new_zeros(I, H, P, N, dtype=state_dtype)
     else:  # unflagged rows hold garbage (vLLM never zeroes a slot): masked, not multiplied
-        h0 = initial_states.index_select(0, rp.seq).masked_fill_(rp.fresh[:, None, None, None], 0.0)
-    dt = fwd.dt.index_select(0, rp.src).masked_fill_(rp.pad[:, None], fwd.pad_dt()).view(rp.I, rp.L, -1)
-    res = upstream.kernels().ssd_fwd(rows(fwd.x), dt, fwd.A, rows(fwd.B), rows(fwd.C), fwd.chunk_size, D=fwd.D,
-                                     dt_bias=fwd.dt_bias, dt_softplus=fwd.raw, dt_limit=fwd.dt_limit,
-                                     initial_states=h0)
-    states = torch.cat([res[4].reshape(rp.I * rp.nchunks, H, P, N).to(state_dtype), res[5].to(state_dtype)])
-    return states.index_select(0, rp.pick)
+        h0 = initial_states.index_select(0, bp.seq).masked_fill_(bp.fresh[:, None, None, None], 0.0)
+    res = fwd.padded(bp.rows, h0)
+    states = torch.cat([res[4].reshape(I * bp.nchunks, H, P, N).to(state_dtype), res[5].to(state_dtype)])
+    return states.index_select(0, bp.pick)
 
 
 class _Forward:
@@ -225,6 +219,19 @@ class _Forward:
         """The dt of a padding token. Raw: softplus(-1e4 + dt_bias) = log(1 + exp(-1e4 + b)) = 0 in float32 (and
         in the kernel's float32 arithmetic for a bf16 input), then clamped to [0, ...]; processed: 0."""
         return -1e4 if self.raw else 0.0
+
+    def padded(self, rows: PaddedRows, initial_states: torch.Tensor):
+        """The forward over padded rows (``varlen_plan.PaddedRows``), each from its row of initial_states; a
+        padding token gets ``pad_dt``. Needs ``pads_are_inert``."""
+
+        def gather(t):
+            return t.index_select(0, rows.src).view(rows.I, rows.L, *t.shape[1:])
+
+        dt = self.dt.index_select(0, rows.src).masked_fill_(rows.pad[:, None], self.pad_dt())
+        return upstream.kernels().ssd_fwd(gather(self.x), dt.view(rows.I, rows.L, -1), self.A, gather(self.B),
+                                          gather(self.C), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                          dt_softplus=self.raw, dt_limit=self.dt_limit,
+                                          initial_states=initial_states)
 
     def __call__(self, a: int, b: int, **kw):
         def rows(t):
@@ -293,16 +300,9 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
     dt * B * x = 0, so it leaves the state as it is and a row's final state is its sequence's. Their rows of out
     and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
     None) and this call's results are the whole. Returns (out, float32 final states)."""
-    rp, k = plan.rows, upstream.kernels()
-
-    def rows(t):
-        return t.index_select(0, rp.src).view(rp.I, rp.L, *t.shape[1:])
-
-    dt = fwd.dt.index_select(0, rp.src).masked_fill_(rp.pad[:, None], fwd.pad_dt()).view(rp.I, rp.L, -1)
-    res = k.ssd_fwd(rows(fwd.x), dt, fwd.A, rows(fwd.B), rows(fwd.C), fwd.chunk_size, D=fwd.D,
-                    dt_bias=fwd.dt_bias, dt_softplus=fwd.raw, dt_limit=fwd.dt_limit,
-                    initial_states=initial_states.index_select(0, plan.init.rows))
-    y = res[0].reshape(rp.I * rp.L, *res[0].shape[2:]).index_select(0, rp.real)
+    rp = plan.rows
+    res = fwd.padded(rp.rows, initial_states.index_select(0, plan.init.rows))
+    y = res[0].reshape(rp.rows.I * rp.rows.L, *res[0].shape[2:]).index_select(0, rp.real)
     if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32
         return y, res[5]  # (ssd_state_passing.py:208)
     out = out.index_copy(0, rp.dst, y)

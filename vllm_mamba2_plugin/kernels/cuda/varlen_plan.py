@@ -70,18 +70,27 @@ class InitCorrectionPlan:
 
 
 @dataclass
-class ResumedRowsPlan:
-    """The I resumed sequences as the rows of one (I, L) SSD batch, each padded at its end to L, the longest.
+class PaddedRows:
+    """Sequences as the rows of one (I, L) SSD batch, each padded at its end to L: the longest, rounded up to 16
+    (one Triton specialisation of the length).
 
     src: (I*L,) long: the token of x in each row position (padding repeats the sequence's first token: its x, B
     and C only reach padding outputs, and its dt is overwritten so that it neither decays nor feeds the state);
-    pad: (I*L,) bool: padding positions; real: (Tr,) long: the row positions of the sequences' tokens, in packed
-    order; dst: (Tr,) long: those tokens relative to cu[0] (rows of the packed call's output)."""
+    pad: (I*L,) bool: padding positions."""
 
     I: int
     L: int
     src: torch.Tensor
     pad: torch.Tensor
+
+
+@dataclass
+class ResumedRowsPlan:
+    """The I resumed sequences as padded rows (``rows``, each from its own state). real: (Tr,) long: the row
+    positions of the sequences' tokens, in packed order; dst: (Tr,) long: those tokens relative to cu[0] (rows of
+    the packed call's output)."""
+
+    rows: PaddedRows
     real: torch.Tensor
     dst: torch.Tensor
 
@@ -89,20 +98,16 @@ class ResumedRowsPlan:
 @dataclass
 class BoundaryRowsPlan:
     """Prefix caching's boundary states of a step from ONE SSD call: each sequence with boundary offsets (all chunk
-    multiples but maybe its last) as a batch row from its own initial state (zeros if fresh) over its tokens up to
-    its last offset, padded at the end to L (a multiple of 16; padding as in ``ResumedRowsPlan``). The state after
-    o tokens is then the state entering the row's chunk o / chunk (the call's ``states``), and after the last
-    offset the row's final state.
+    multiples but maybe its last) as a padded row (``rows``) from its own initial state (zeros if fresh) over its
+    tokens up to its last offset. The state after o tokens is then the state entering the row's chunk o / chunk
+    (the call's ``states``), and after the last offset the row's final state.
 
-    src, pad: (I*L,) as in ``ResumedRowsPlan``; seq: (I,) long: the rows' sequences (rows of initial_states);
-    fresh: (I,) bool: rows without a saved state (their initial state is zeroed); pick: (M,) long: for every
-    offset in boundary_offsets order, its state's row in cat(states (I * nchunks), final states (I))."""
+    seq: (I,) long: the rows' sequences (rows of initial_states); fresh: (I,) bool: rows without a saved state
+    (their initial state is zeroed); pick: (M,) long: for every offset in boundary_offsets order, its state's row
+    in cat(states (I * nchunks), final states (I))."""
 
-    I: int
-    L: int
+    rows: PaddedRows
     nchunks: int
-    src: torch.Tensor
-    pad: torch.Tensor
     seq: torch.Tensor
     fresh: torch.Tensor
     pick: torch.Tensor
@@ -232,8 +237,7 @@ def build_plan(
             rows=dev["i_rows"], tok=dev["i_tok"], b_seq=dev["i_b_seq"],
         )
     if rows_shape is not None:
-        plan.rows = ResumedRowsPlan(*rows_shape, src=dev["r_src"], pad=dev["r_pad"].bool(), real=dev["r_real"],
-                                    dst=dev["r_dst"])
+        plan.rows = ResumedRowsPlan(_padded_rows(*rows_shape, dev, "r_"), real=dev["r_real"], dst=dev["r_dst"])
     for W in conv_widths:
         K = W - 1
         cp = ConvPlan(K=K, E=num_tokens + S * K, in_place=in_place[K], last_row=dev[f"c{K}_last_row"])
@@ -279,24 +283,37 @@ def _correction_host(host: Dict[str, torch.Tensor], cu_k_np, seq_idx_np, init_po
     return blk
 
 
-def _rows_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int], init_pos: List[int], chunk_size: int):
-    """The host tensors of the ``ResumedRowsPlan`` (added to host as "r_*") and its (I, L); None where the
-    padding or the length exceeds the limits (ROWS_MAX_PADDING, ROWS_MAX_CHUNKS)."""
-    seqs = [ne[i] for i in init_pos]
-    start = np.asarray([cu[s] for s in seqs], dtype=np.int64)
-    lens = np.asarray([cu[s + 1] - cu[s] for s in seqs], dtype=np.int64)
-    I, L = len(seqs), -(-int(lens.max()) // 16) * 16
-    if I * L > ROWS_MAX_PADDING * int(lens.sum()) or L > ROWS_MAX_CHUNKS * chunk_size:
+def _padded_rows_host(host: Dict[str, torch.Tensor], prefix: str, starts: List[int], lens: List[int],
+                      chunk_size: int) -> Optional[tuple]:
+    """The host arrays of ``PaddedRows`` for sequences at these starts and lengths, added to host as
+    prefix + "src" / "pad"; returns (I, L), or None where the padding or the length exceeds the limits
+    (ROWS_MAX_PADDING, ROWS_MAX_CHUNKS)."""
+    start, n = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    I, L = len(starts), -(-int(n.max()) // 16) * 16
+    if I * L > ROWS_MAX_PADDING * int(n.sum()) or L > ROWS_MAX_CHUNKS * chunk_size:
         return None
     j = np.arange(L, dtype=np.int64)[None, :]
-    pad = j >= lens[:, None]  # (I, L)
+    pad = j >= n[:, None]  # (I, L)
     src = np.where(pad, start[:, None], start[:, None] + j)
-    real = np.flatnonzero(~pad.reshape(-1))
-    host.update({
-        "r_src": torch.from_numpy(src.reshape(-1)), "r_pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
-        "r_real": torch.from_numpy(real), "r_dst": torch.from_numpy(src.reshape(-1)[real] - cu[0]),
-    })
+    host.update({prefix + "src": torch.from_numpy(src.reshape(-1)),
+                 prefix + "pad": torch.from_numpy(pad.reshape(-1).astype(np.int64))})
     return I, L
+
+
+def _padded_rows(I: int, L: int, dev: Dict[str, torch.Tensor], prefix: str) -> PaddedRows:
+    return PaddedRows(I=I, L=L, src=dev[prefix + "src"], pad=dev[prefix + "pad"].bool())
+
+
+def _rows_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int], init_pos: List[int], chunk_size: int):
+    """The host tensors of the ``ResumedRowsPlan`` (added to host as "r_*") and its (I, L); None beyond the
+    limits (``_padded_rows_host``)."""
+    seqs = [ne[i] for i in init_pos]
+    shape = _padded_rows_host(host, "r_", [cu[s] for s in seqs], [cu[s + 1] - cu[s] for s in seqs], chunk_size)
+    if shape is not None:
+        src = host["r_src"].numpy()
+        real = np.flatnonzero(host["r_pad"].numpy() == 0)
+        host.update({"r_real": torch.from_numpy(real), "r_dst": torch.from_numpy(src[real] - cu[0])})
+    return shape
 
 
 def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:
@@ -338,24 +355,19 @@ def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[Bounda
         return plan.boundary_cache[1]
     seqs = [s for s, offs in enumerate(offsets) if offs]
     lasts = [max(offsets[s]) for s in seqs]
-    L = -(-max(lasts or [0]) // 16) * 16
-    ok = (len(seqs) >= 2 and all(o % chunk_size == 0 or o == n for s, n in zip(seqs, lasts) for o in offsets[s])
-          and len(seqs) * L <= ROWS_MAX_PADDING * sum(lasts) and L <= ROWS_MAX_CHUNKS * chunk_size)
-    result = None
-    if ok:
-        I, nchunks = len(seqs), -(-L // chunk_size)
-        start = np.asarray([plan.cu[s] for s in seqs], dtype=np.int64)
-        n = np.asarray(lasts, dtype=np.int64)
-        pad = np.arange(L, dtype=np.int64)[None, :] >= n[:, None]
-        src = np.where(pad, start[:, None], start[:, None] + np.arange(L, dtype=np.int64)[None, :])
+    result, host = None, {}
+    aligned = all(o % chunk_size == 0 or o == n for s, n in zip(seqs, lasts) for o in offsets[s])
+    shape = (_padded_rows_host(host, "", [plan.cu[s] for s in seqs], lasts, chunk_size)
+             if len(seqs) >= 2 and aligned else None)
+    if shape is not None:
+        I, nchunks = shape[0], -(-shape[1] // chunk_size)
         pick = [I * nchunks + i if o == lasts[i] else i * nchunks + o // chunk_size
                 for i, s in enumerate(seqs) for o in offsets[s]]
-        dev = _upload({"src": torch.from_numpy(src.reshape(-1)),
-                       "pad": torch.from_numpy(pad.reshape(-1).astype(np.int64)),
-                       "seq": torch.tensor(seqs, dtype=torch.long),
-                       "fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
-                       "pick": torch.tensor(pick, dtype=torch.long)}, plan.device)
-        result = BoundaryRowsPlan(I=I, L=L, nchunks=nchunks, src=dev["src"], pad=dev["pad"].bool(), seq=dev["seq"],
+        host.update({"seq": torch.tensor(seqs, dtype=torch.long),
+                     "fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
+                     "pick": torch.tensor(pick, dtype=torch.long)})
+        dev = _upload(host, plan.device)
+        result = BoundaryRowsPlan(_padded_rows(*shape, dev, ""), nchunks=nchunks, seq=dev["seq"],
                                   fresh=dev["fresh"].bool(), pick=dev["pick"])
     plan.boundary_cache = (offsets, result)
     return result
