@@ -59,11 +59,14 @@ MODEL_VARIANTS = {
 }
 
 
+def build_models(root, variants: dict) -> dict:
+    """{name: checkpoint directory} of tiny models built under root, one per variant's spec keywords."""
+    return {name: tiny_model.build(str(root / name), tiny_model.TinyMamba2Spec(**kw)) for name, kw in variants.items()}
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {name: tiny_model.build(str(root / name), tiny_model.TinyMamba2Spec(**kw))
-            for name, kw in MODEL_VARIANTS.items()}
+    return build_models(tmp_path_factory.mktemp("models"), MODEL_VARIANTS)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import random_prompts
+from conftest import build_models, random_prompts
 from oracle import RecurrentMamba2, oracle_generate
 from vllm_mamba2_plugin import sharding, tiny_model
 from vllm_mamba2_plugin.spec import state_shapes
@@ -61,9 +61,7 @@ def _prompts(variant: str, round_: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def parallel_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    return {name: tiny_model.build(str(root / name), tiny_model.TinyMamba2Spec(**kw))
-            for name, kw in PARALLEL_VARIANTS.items()}
+    return build_models(tmp_path_factory.mktemp("parallel"), PARALLEL_VARIANTS)
 
 
 @pytest.fixture(scope="module")
