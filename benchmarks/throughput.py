@@ -45,8 +45,13 @@ host's state of its moment; a ratio of medians mixes runs seconds apart).
 Each decode cell also reports ``timeline``: the engine's own step periods during the timed run (``StepTimeline``:
 engine-core timestamps of the steps' outputs, full-batch steps only; median, mean, p90, max, first and second
 half), how far the front end lags behind, and the garbage collections (>= 0.2 ms) of the worker and the engine
-core in that run. The harness's step is a whole-run average; the timeline says whether the engine's steps
-themselves are that long, or whether a few long ones (or a slow front end) make the difference.
+core in that run; ``mid_timeline`` the same for the short run. The harness's step is a whole-run average; the
+timeline says whether the engine's steps themselves are that long, or whether a few long ones (or a slow front
+end) make the difference. ``engine_step_ms`` (the mean full-batch period) and ``floor_share_engine`` are the
+decode step by the engine's clock; ``outside_full_batch_gap_ms`` is how much longer the long run's other steps
+took than the short run's (``engine_step_stats``): the part of the harness's difference that is not decode.
+The decode grid is judged on the engine's step, since its mixed steps (host-bound 8 192-token prefills)
+vary by more between two runs than the decode steps do.
 
 --profile: after a worker's timed cells (so they are not affected), vLLM's own torch profiler (engine-core process,
 CPU + CUDA activity) records one decode run per batch of ``--profile-batch`` (default: the largest batch; prompt
@@ -291,11 +296,12 @@ def worker(args) -> None:
         el_full, n_out, n_in = run(batch, DECODE["prompt"], DECODE["new"])
         steps = timeline.summary(runs[-1][5], batch, *runs[-1][3:5])
         el_mid, _, _ = run(batch, DECODE["prompt"], DECODE["mid"])
+        mid_steps = timeline.summary(runs[-1][5], batch, *runs[-1][3:5])
         print("RESULT " + json.dumps(dict(emit, workload="decode", batch=batch, prompt=DECODE["prompt"],
                                           new=DECODE["new"], seconds=el_full, mid_new=DECODE["mid"], mid_seconds=el_mid,
                                           out_tok_s=n_out / el_full, total_tok_s=(n_out + n_in) / el_full,
                                           decode_step_s=(el_full - el_mid) / (DECODE["new"] - DECODE["mid"]),
-                                          timeline=steps)), flush=True)
+                                          timeline=steps, mid_timeline=mid_steps)), flush=True)
 
     prefill_timed = []  # (seconds, outputs, inputs, index into runs) of the prefill cell's timed runs
 
@@ -386,8 +392,9 @@ def markdown(rows, bw, cmd) -> str:
              "| model | mode | workload | batch | ssm state | plugin variant | plugin out tok/s | in-tree out tok/s | "
              "ratio | plugin total tok/s | in-tree total tok/s | plugin step (engine median) | "
              "in-tree step (engine median) | "
-             "plugin HBM-floor share | in-tree HBM-floor share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plugin HBM-floor share | in-tree HBM-floor share | plugin step, engine mean (floor share) | "
+             "in-tree step, engine mean (floor share) | step ratio (in-tree / plugin, engine means) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, field, fmt="{:.0f}"):
         return fmt.format(r[field]) if r and field in r else "—"
@@ -397,6 +404,16 @@ def markdown(rows, bw, cmd) -> str:
         if r and r["workload"] == "prefill":  # no decode step: the engine's median prefill step alone
             return f"({med:.2f})" if med is not None else "—"
         return f(r, "decode_step_ms", "{:.2f} ms") + (f" ({med:.2f})" if med is not None else "")
+
+    def engine(r):
+        if not r or "engine_step_ms" not in r:
+            return "—"
+        return f"{r['engine_step_ms']:.2f} ms ({r['floor_share_engine']:.0%})"
+
+    def step_ratio(p, t):
+        if not (p and t and "engine_step_ms" in p and "engine_step_ms" in t):
+            return "—"
+        return f"{t['engine_step_ms'] / p['engine_step_ms']:.2f}"
 
     for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
         t = by.get(key + ("intree",))
@@ -409,12 +426,27 @@ def markdown(rows, bw, cmd) -> str:
                 f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {sd[1] if len(sd) > 1 else '?'} | {v or '—'} | "
                 f"{f(p, 'out_tok_s')} | {f(t, 'out_tok_s')} | {ratio} | {f(p, 'total_tok_s')} | "
                 f"{f(t, 'total_tok_s')} | {step(p)} | {step(t)} | {f(p, 'floor_share', '{:.0%}')} | "
-                f"{f(t, 'floor_share', '{:.0%}')} |")
+                f"{f(t, 'floor_share', '{:.0%}')} | {engine(p)} | {engine(t)} | {step_ratio(p, t)} |")
     notes = [f"- {r['model']} {r['mode']} prefill, timed runs paired as they ran (each plugin run next to an in-tree "
              f"run): in-tree / plugin run time, geometric mean **{r['paired_ratio']:.2f}** over {r['pairs']} pairs "
              f"(per pair: {' / '.join(f'{x:.2f}' for x in r['pair_ratios'])})"
              for r in rows if r.get("paired_ratio") is not None]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def engine_step_stats(r: dict, floor_step_s: float) -> dict:
+    """The decode step by the engine's own clock: the mean period of the full-batch steps of the long run, its
+    share of the HBM floor, and how much longer the long run's steps outside the full batch (the mixed prefill
+    steps, the staggered finish) took than the short run's. Both runs have the same such steps, so in exact
+    arithmetic ``decode_step_s`` = mean period + that gap / (new - mid): a gap well above zero means host noise
+    in the mixed steps (host-bound, no graph that large) is charged to the harness's decode step."""
+    full, mid = r.get("timeline") or {}, r.get("mid_timeline") or {}
+    if not full.get("mean_ms"):
+        return {}
+    out = dict(engine_step_ms=full["mean_ms"], floor_share_engine=floor_step_s / (full["mean_ms"] / 1e3))
+    if "outside_full_batch_ms" in full and "outside_full_batch_ms" in mid:
+        out["outside_full_batch_gap_ms"] = round(full["outside_full_batch_ms"] - mid["outside_full_batch_ms"], 2)
+    return out
 
 
 def paired_prefill_ratio(plugin_runs, intree_runs):
@@ -526,6 +558,7 @@ def main() -> None:
             r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
             r["bytes_per_step"] = w + 2 * r["batch"] * s_
             r["decode_step_ms"] = 1e3 * r["decode_step_s"]
+            r.update(engine_step_stats(r, r["floor_step_s"]))
         rows.append(r)
         with open(jsonl, "a") as f:
             f.write(json.dumps(r) + "\n")

@@ -28,3 +28,27 @@ def test_paired_ratio_is_the_geometric_mean_of_in_tree_over_plugin_per_pair():
 
 def test_paired_ratio_of_no_runs_is_none():
     assert throughput.paired_prefill_ratio([], []) == (None, [])
+
+
+def test_engine_step_is_the_mean_full_batch_period_and_the_gap_explains_the_harness_step():
+    # Long run: 224 more decode steps of 14 ms than the short run, and its other steps 0.56 s longer (host noise
+    # in the mixed prefill steps). The harness's difference reads 14 + 560 / 224 = 16.5 ms per step.
+    full = dict(mean_ms=14.0, outside_full_batch_ms=2950.0)
+    mid = dict(mean_ms=14.5, outside_full_batch_ms=2390.0)
+    r = dict(timeline=full, mid_timeline=mid, decode_step_s=(224 * 14.0 + 560.0) / 224 / 1e3)
+    stats = throughput.engine_step_stats(r, floor_step_s=0.0112)
+    assert stats["engine_step_ms"] == 14.0
+    assert stats["floor_share_engine"] == pytest.approx(0.8)
+    assert stats["outside_full_batch_gap_ms"] == pytest.approx(560.0)
+    assert 1e3 * r["decode_step_s"] == pytest.approx(stats["engine_step_ms"] + stats["outside_full_batch_gap_ms"] / 224)
+    assert throughput.engine_step_stats(dict(timeline=dict(steps=3)), 0.01) == {}
+
+
+def test_markdown_row_carries_both_steps_and_the_engine_step_ratio():
+    base = dict(model="130m", mode="graph", workload="decode", batch=256, state_dtypes=["torch.bfloat16"] * 2,
+                out_tok_s=1000.0, total_tok_s=3000.0, decode_step_ms=16.0, floor_share=0.5,
+                timeline=dict(median_ms=15.0))
+    p = dict(base, impl="plugin", engine_step_ms=10.0, floor_share_engine=0.8)
+    t = dict(base, impl="intree", engine_step_ms=12.0, floor_share_engine=2 / 3)
+    row = throughput.markdown([p, t], 4.2e12, "cmd").splitlines()[-1]
+    assert row.endswith("| 10.00 ms (80%) | 12.00 ms (67%) | 1.20 |"), row
