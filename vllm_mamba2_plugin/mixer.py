@@ -227,7 +227,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         conv_init = conv_state.index_select(0, slots) if any_init else None
         if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
             conv_state.index_copy_(0, boundary_slots, k.conv_states_at(
-                xBC, qsl, self.conv_kernel, offsets, conv_init, flags).to(conv_state.dtype))
+                xBC, qsl, self.conv_kernel, offsets, conv_init, flags, plan=plan).to(conv_state.dtype))
         xBC_p, conv_final = k.causal_conv1d(
             xBC, self._conv_weight(), self.conv1d.bias, qsl, initial_states=conv_init, has_initial_state=flags,
             activation="silu", plan=plan,

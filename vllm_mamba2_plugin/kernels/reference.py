@@ -398,13 +398,14 @@ def conv_states_at(
     boundary_offsets: Sequence[Sequence[int]],
     initial_states: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
+    plan=None,
 ) -> torch.Tensor:
     """The conv state after the first o tokens of each sequence, for each o of ``boundary_offsets`` (per
     sequence, 0 < o <= its length): its last W-1 inputs, reaching into the initial state when o < W-1.
 
     x: (T, D) conv inputs  cu_seqlens: (S+1,)  initial_states: (S, W-1, D) or None  has_initial_state: (S,)
     returns (M, W-1, D) in x.dtype, in the order of the offsets (M in all). (Prefix caching keeps them at
-    block boundaries.)"""
+    block boundaries.) plan: unused here (the CUDA version's step plan)."""
     cu = _seq_lens(cu_seqlens)
     S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
     _check_offsets([b - a for a, b in zip(cu[:-1], cu[1:])], boundary_offsets)

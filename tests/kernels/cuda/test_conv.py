@@ -14,6 +14,33 @@ from vllm_mamba2_plugin.kernels import cuda as ck
 from vllm_mamba2_plugin.kernels import reference as ref
 
 
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_states_at_block_boundaries_from_the_plan_without_reading_the_bounds(kern, width):
+    """Prefix caching's boundary conv states through the step's plan: the same copies as the reference, for
+    offsets deep in a sequence, at its end, and closer than K to its start (reaching into a saved state, or
+    zeros for a fresh sequence whose slot holds garbage); no offsets for some sequences. With a plan the device
+    bounds are never read (None here): no host sync per layer."""
+    Dm, K = CONV_DIMS["tiny"], width - 1
+    lens, flags = [9, 2, 5, 4, 7], [True, True, False, True, False]
+    offsets = [[1, 4, 9], [2], [1, 5], [], [7]]
+    g = gen(40 + width)
+    T = sum(lens) + 3
+    x = rnd(g, T, Dm).to(kern.dev, BF16)
+    init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, BF16)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
+    want = ref.conv_states_at(x, cu, width, offsets, init, hi)
+    got = ck.conv_states_at(x, None, width, offsets, init, hi, plan=plan)
+    assert torch.equal(got.cpu(), want.cpu())
+    deep = [[o for o in offs if o >= K] for offs in offsets]  # the one-gather form
+    got = ck.conv_states_at(x, None, width, deep, init, hi, plan=plan)
+    assert torch.equal(got.cpu(), ref.conv_states_at(x, cu, width, deep, init, hi).cpu())
+    assert torch.equal(ck.conv_states_at(x, None, width, offsets, None, None, plan=plan).cpu(),
+                       ref.conv_states_at(x, cu, width, offsets).cpu())  # no saved states: zeros
+    with pytest.raises(ValueError, match="outside a sequence"):
+        ck.conv_states_at(x, None, width, [[10]] + offsets[1:], init, hi, plan=plan)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("dims", list(CONV_DIMS))

@@ -5,7 +5,8 @@ notation). One module per op, each with its upstream limits and the reasons for 
 
     ssd_prefill.py    plan_prefill, ssd_chunk_scan   packed SSD scan; per-sequence initial states (the paths);
                                                      prefix caching's block-boundary states
-    conv.py           causal_conv1d, conv_update     causal-conv1d forward (prefill) and update (decode)
+    conv.py           causal_conv1d, conv_update     causal-conv1d forward (prefill) and update (decode);
+                      conv_states_at                 prefix caching's block-boundary conv states (gathers)
     decode_step.py    ssm_state_update               selective_state_update with measured launch tiles
     norm.py           gated_rms_norm                 mamba-ssm's gated RMSNorm kernel
     warmup.py         warm_up                        compiles / autotunes every launch in the profile run
@@ -17,9 +18,8 @@ Importing this package imports neither mamba_ssm nor causal_conv1d (``upstream.k
 call): plugin import and ``register()`` must not touch CUDA.
 """
 
-from ..reference import conv_states_at  # noqa: F401  (plain torch: a gather of conv inputs)
 from ..reference import process_dt  # noqa: F401  (plain torch; the mixer's prefill path lets the SSD kernel do it)
-from .conv import causal_conv1d, conv_update
+from .conv import causal_conv1d, conv_states_at, conv_update
 from .decode_step import ssm_state_update
 from .norm import gated_rms_norm
 from .ssd_prefill import plan_prefill, ssd_chunk_scan

@@ -29,7 +29,7 @@ import torch
 from .. import reference
 from ..reference import _select_initial
 from . import upstream
-from .varlen_plan import VarlenPlan, build_plan, conv_plan
+from .varlen_plan import VarlenPlan, build_plan, conv_boundary_rows, conv_plan
 
 
 def causal_conv1d(
@@ -79,6 +79,30 @@ def causal_conv1d(
     if rows_ok and (initial_states is None or plan.reruns_resumed()):
         return _in_place(x, weight, bias, plan, initial_states, silu)
     return _extended(x, weight, bias, plan, initial_states, has_initial_state, silu)
+
+
+def conv_states_at(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    width: int,
+    boundary_offsets,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    plan: Optional[VarlenPlan] = None,
+) -> torch.Tensor:
+    """Prefix caching's conv states at block boundaries (contract: reference.conv_states_at): a gather of x's rows
+    indexed from the step's plan (``varlen_plan.conv_boundary_rows``), and of initial-state rows for an offset
+    closer than K tokens to its sequence's start in the step. Without a plan, the reference (it reads cu_seqlens
+    on the host: a sync per layer). returns (M, W-1, D) in x.dtype."""
+    if plan is None:
+        return reference.conv_states_at(x, cu_seqlens, width, boundary_offsets, initial_states, has_initial_state)
+    K, Dm = width - 1, x.shape[-1]
+    rows = conv_boundary_rows(plan, boundary_offsets, K)
+    out = x.index_select(0, rows.x_rows)
+    if rows.pick is not None:
+        init = _select_initial(initial_states, has_initial_state, (plan.S, K, Dm), x.dtype, x.device)
+        out = torch.cat([out, init.reshape(plan.S * K, Dm)]).index_select(0, rows.pick)
+    return out.view(-1, K, Dm)
 
 
 def _in_place(x, weight, bias, plan: VarlenPlan, initial_states, silu: bool):

@@ -96,6 +96,19 @@ class ResumedRowsPlan:
 
 
 @dataclass
+class ConvBoundaryRows:
+    """Prefix caching's boundary conv states of a step as gathers (``conv.conv_states_at``): the state after o
+    tokens of sequence s is the K inputs before position o, rows cu[s] + o - K ... cu[s] + o - 1 of x, where o >= K.
+
+    x_rows: (M*K,) long: those rows of x for every offset (in boundary_offsets order); where o < K the first
+    K - o of them lie in the sequence's initial state instead, and pick (M*K,) long indexes
+    cat(x rows gathered, initial states (S*K rows)); None when every offset is >= K (then x_rows alone serve)."""
+
+    x_rows: torch.Tensor
+    pick: Optional[torch.Tensor]
+
+
+@dataclass
 class BoundaryRowsPlan:
     """Prefix caching's boundary states of a step from ONE SSD call: each sequence with boundary offsets (all chunk
     multiples but maybe its last) as a padded row (``rows``) from its own initial state (zeros if fresh) over its
@@ -134,6 +147,8 @@ class VarlenPlan:
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
     # boundary_rows' result for the step's boundary offsets (the same list object for every layer): (offsets, plan)
     boundary_cache: Optional[tuple] = None
+    # conv_boundary_rows' result, likewise: (offsets, K, ConvBoundaryRows)
+    conv_boundary_cache: Optional[tuple] = None
 
     @property
     def S(self) -> int:
@@ -370,6 +385,33 @@ def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[Bounda
         result = BoundaryRowsPlan(_padded_rows(*shape, dev, ""), nchunks=nchunks, seq=dev["seq"],
                                   fresh=dev["fresh"].bool(), pick=dev["pick"])
     plan.boundary_cache = (offsets, result)
+    return result
+
+
+def conv_boundary_rows(plan: VarlenPlan, offsets, K: int) -> ConvBoundaryRows:
+    """The ``ConvBoundaryRows`` of these boundary offsets (per sequence, 0 < o <= its length), built on the host
+    and uploaded once per plan: no host sync in the layers."""
+    cache = plan.conv_boundary_cache
+    if cache is not None and cache[0] is offsets and cache[1] == K:
+        return cache[2]
+    if len(offsets) != plan.S:
+        raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
+    x_rows, pick = [], []
+    for s, offs in enumerate(offsets):
+        a, n = plan.cu[s], plan.cu[s + 1] - plan.cu[s]
+        for o in offs:
+            if not 0 < o <= n:
+                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
+            for p in range(o - K, o):  # position relative to the sequence's first token in the step
+                pick.append(len(x_rows) if p >= 0 else -(s * K + K + p) - 1)  # negative: an initial-state row
+                x_rows.append(a + max(p, 0))
+    host = {"x_rows": torch.tensor(x_rows, dtype=torch.long)}
+    if any(i < 0 for i in pick):
+        M = len(x_rows)
+        host["pick"] = torch.tensor([i if i >= 0 else M - i - 1 for i in pick], dtype=torch.long)
+    dev = _upload(host, plan.device)
+    result = ConvBoundaryRows(x_rows=dev["x_rows"], pick=dev.get("pick"))
+    plan.conv_boundary_cache = (offsets, K, result)
     return result
 
 
