@@ -15,7 +15,10 @@ the stats path) against the ideal (per request the system prompt rounded down to
 cached states take (blocks holding a hash x bytes per block). Every engine captures CUDA graphs for the same
 --capture-sizes.
 Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
---intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all").
+--intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all"). A job's optional
+third field sets vLLM's block size (``intree:on:256``): vLLM 0.26's in-tree "all" mode needs a multiple of the
+chunk, since its mixer steps through chunk states block_size // chunk_size at a time (mamba_mixer2.py:883),
+and with the default 16 that stride is 0 ("slice step cannot be zero").
 """
 
 import argparse
@@ -76,6 +79,8 @@ def worker(job: dict) -> dict:
                   enable_prefix_caching=job["mode"] != "off", disable_log_stats=False)
     if job["mode"] not in ("off", "on"):
         kwargs["mamba_cache_mode"] = job["mode"]
+    if job.get("block_size"):
+        kwargs["block_size"] = job["block_size"]
     if job["profile_dir"]:  # vLLM's engine-core torch profiler (benchmarks/trace_steps.py reads its trace)
         kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
                                          torch_profiler_with_stack=False, ignore_frontend=True)
@@ -122,8 +127,8 @@ def main() -> None:
     ap.add_argument("--impls", default="plugin,intree")
     ap.add_argument("--modes", default="off,on", help="off, on (each implementation's default caching mode)")
     ap.add_argument("--intree-modes", default="", help="extra in-tree mamba_cache_mode values, e.g. align")
-    ap.add_argument("--jobs", default="", help="impl:mode pairs in run order (instead of --impls/--modes), "
-                    "e.g. plugin:off,plugin:on,intree:on,intree:align")
+    ap.add_argument("--jobs", default="", help="impl:mode[:block size] in run order (instead of --impls/--modes), "
+                    "e.g. plugin:off,plugin:on,intree:on:256,intree:align")
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256",
                     help="CUDA-graph capture sizes of every engine; empty: vLLM's default list")
     ap.add_argument("--workload", default="hits", choices=["hits", "misses"],
@@ -137,6 +142,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--profile", default=None, help="also profile a second batch (new suffixes) of every worker "
                     "into DIR/<impl>-<mode>/ (benchmarks/trace_steps.py reads it)")
+    ap.add_argument("--logs", default=None, help="write each worker's output (vLLM's log: start-up phases, Triton "
+                    "compiles during serving) to DIR/<impl>-<mode>-<workload>.log")
     ap.add_argument("--smoke", action="store_true", help="a tiny workload: checks the harness on a CPU")
     ap.add_argument("--out", default=None, help="append one JSON line per worker here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -160,10 +167,13 @@ def main() -> None:
     if args.jobs:
         jobs = [tuple(j.split(":")) for j in args.jobs.split(",")]
     capture_sizes = [int(c) for c in args.capture_sizes.split(",") if c]
-    for impl, mode in jobs:
-        job = dict(impl=impl, mode=mode, model_dir=model_dir, vocab=MODELS[args.model]["vocab_size"],
+    for impl, mode, *block in jobs:
+        block_size = int(block[0]) if block else None
+        name = f"{impl}-{mode}" + (f"-b{block_size}" if block_size else "")
+        job = dict(impl=impl, mode=mode, block_size=block_size, model_dir=model_dir,
+                   vocab=MODELS[args.model]["vocab_size"],
                    capture_sizes=capture_sizes,
-                   profile_dir=os.path.abspath(os.path.join(args.profile, f"{impl}-{mode}")) if args.profile else None,
+                   profile_dir=os.path.abspath(os.path.join(args.profile, name)) if args.profile else None,
                    **{k: getattr(args, k) for k in ("workload", "requests", "system", "suffix_min", "suffix_max", "new",
                                                      "max_num_seqs", "max_num_batched_tokens")})
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -171,6 +181,10 @@ def main() -> None:
             env["VLLM_PLUGINS"] = ""
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
                               capture_output=True, text=True)
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            with open(os.path.join(args.logs, f"{name}-{args.workload}.log"), "w") as f:
+                f.write(proc.stdout + proc.stderr)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         result = json.loads(lines[-1][7:]) if lines else dict(impl=impl, mode=mode, error=proc.stderr[-2000:])
         result.update(model=args.model, command=" ".join(sys.argv))
