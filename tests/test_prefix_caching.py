@@ -33,11 +33,18 @@ def _shared_prefix_prompts(system_len, suffixes, vocab, seed):
 
 
 @pytest.mark.parametrize("variant, budget", [("g1", 16), ("g8_bias", 64)])
-def test_shared_prefixes_hit_at_every_block_boundary_and_stay_exact(variant, budget, model_dirs, oracles):
+def test_shared_prefixes_hit_at_every_block_boundary_and_stay_exact(variant, budget, model_dirs, oracles,
+                                                                    monkeypatch):
     """Prompts sharing a system prompt of 2.5 blocks (g8_bias: blocks of 4 tokens, conv width 3, a dt limit),
     prefilled in chunks cut by the token budget; then the same prompts again in another order, and longer
     prompts that extend earlier ones (a conversation's next turn, reaching past blocks cached during decode).
-    The first request computes every block; each later one starts from its deepest cached boundary."""
+    The first request computes every block; each later one starts from its deepest cached boundary. The runner's
+    block moves go through the plugin's batched form (patches.py, patch 3)."""
+    from vllm_mamba2_plugin.state_copy import PoolLayout
+
+    moves = []
+    fill = PoolLayout.fill
+    monkeypatch.setattr(PoolLayout, "fill", lambda self, *a: moves.append(a[2:]) or fill(self, *a))
     llm = make_llm(model_dirs[variant], enable_prefix_caching=True, max_num_batched_tokens=budget)
     bs = llm.llm_engine.vllm_config.cache_config.block_size
     assert bs == llm.llm_engine.vllm_config.model_config.hf_config.chunk_size  # the default: one SSD chunk
@@ -60,6 +67,7 @@ def test_shared_prefixes_hit_at_every_block_boundary_and_stay_exact(variant, bud
     _assert_exact(oracles[variant], more, tokens)
     # The previous run fed its prompt and all but its last generated token: blocks within those are cached.
     assert cached == [(len(t) - 1) // bs * bs for t in turns], cached
+    assert moves, "the runner moved no state through the plugin's batched block moves"
 
 
 def test_a_prefix_shorter_than_two_blocks_is_reused(model_dirs, oracles):

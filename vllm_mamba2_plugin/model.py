@@ -25,7 +25,9 @@ from torch import nn
 
 from . import compat
 from .mixer import Mamba2Mixer
+from . import patches
 from .spec import state_shapes
+from .state_copy import STATE_COPY_FUNCS
 from .validation import ERROR_PREFIX, check_hf_config
 
 
@@ -101,16 +103,18 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
 
     @classmethod
     def get_mamba_state_copy_func(cls):  # 0.26's runner: copies a state between blocks (prefix caching)
-        return compat.mamba2_state_copy_funcs()
+        return STATE_COPY_FUNCS
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):  # 0.32's runner: the same, per Mamba type
-        return {t: compat.mamba2_state_copy_funcs() for t in mamba_types}
+        return {t: STATE_COPY_FUNCS for t in mamba_types}
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_hf_config(config)
+        if vllm_config.cache_config.enable_prefix_caching:
+            patches.install_worker()  # this is the worker process: its runner moves states between blocks
         self.config = config
         self.backbone = Mamba2Backbone(vllm_config=vllm_config, prefix=compat.maybe_prefix(prefix, "backbone"))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -1,10 +1,11 @@
 """Patches of vLLM internals the plugin makes, one entry each: what, why, the releases it was verified on, and
-when to delete it. Each is installed from ``Mamba2PluginConfig.verify_and_update_config`` (the front-end process,
-only when the plugin serves the model), is idempotent, and acts only on engines of the plugin's architectures.
+when to delete it. Each is idempotent, acts only on engines of the plugin's models, and says where it is installed:
+the front-end process (``Mamba2PluginConfig.verify_and_update_config``, only when the plugin serves the model),
+every process (``register()``), or the worker process (``install_worker``, when the plugin's model is built).
 
 1. Prompt token ids are checked against the model's vocabulary (``InputProcessor._validate_model_input``).
-   What: before vLLM's own checks, every prompt token id must lie in [0, vocab_size); otherwise the request is
-   refused with ``VLLMValidationError`` (the server answers 400 "Token id ... is out of vocabulary").
+   What (front end): before vLLM's own checks, every prompt token id must lie in [0, vocab_size); otherwise the
+   request is refused with ``VLLMValidationError`` (the server answers 400 "Token id ... is out of vocabulary").
    Why: vLLM checks ids only against a tokenizer, so with ``--skip-tokenizer-init`` nothing is checked, and 0.26
    never checks negative ids. An id outside the embedding table reaches the embedding lookup in the engine: a
    device-side assert on CUDA, an index error on the CPU, and the engine dies for every client.
@@ -22,6 +23,21 @@ only when the plugin serves the model), is idempotent, and acts only on engines 
    slot in every process.
    Verified: vLLM 0.32.0 (CPU): ``tests/test_mamba_ssm_format.py``. The same names exist in 0.26.0.
    Delete when: vLLM's "auto" detection asks registered parsers, or vLLM reads mamba_ssm configs itself.
+
+3. The prefix-caching runner's state moves (``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta``).
+   What: installed in the worker process when the plugin's model is built (``install_worker``). For requests whose
+   state copy functions are the plugin's (``state_copy.STATE_COPY_FUNCS``), the source and destination addresses
+   and byte counts of a request's block move are computed for all layers at once, from each state pool's base
+   address and strides (cached per pool), in numpy; any other model goes through vLLM's function unchanged.
+   Why: before every step with prefix caching, vLLM's runner (``preprocess_mamba``, "align" mode) collects them in
+   Python per (request that moves to a new block, layer, state), indexing the state tensors twice per entry: every
+   cache hit and every prefill chunk that crosses a block moves. A step of 51 cache hits at the 2.7b shape makes
+   51 x 64 x 2 entries, and a profile on the H200 showed ~42 ms of ``aten::select`` alone in such a step
+   (docs/prefix-caching.md). Same entries, same order: ``tests/test_patches.py``.
+   Verified: vLLM 0.32.0 (CPU, ``tests/test_patches.py`` against vLLM's function, the prefix-caching engine tests).
+   Same function and signature in 0.26.0.
+   Delete when: vLLM's runner builds these copies without a per-layer Python loop (its V2 runner's fused pre-copy
+   kernel does, for models that run on it).
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs
@@ -37,6 +53,13 @@ def install() -> None:
     if "token_ids" not in _installed:
         _check_prompt_token_ids()
         _installed.add("token_ids")
+
+
+def install_worker() -> None:
+    """The patches of the worker process (where the model runs): called when the plugin's model is built."""
+    if "state_moves" not in _installed:
+        _batch_state_moves()
+        _installed.add("state_moves")
 
 
 def out_of_vocabulary(token_ids, vocab_size: int):
@@ -68,3 +91,42 @@ def _check_prompt_token_ids() -> None:
 
     _validate_model_input.__wrapped__ = original
     InputProcessor._validate_model_input = _validate_model_input
+
+
+def _plugin_copy_funcs(funcs) -> bool:
+    """The runner's copy functions are the plugin's: 0.26 passes the model's tuple, 0.32 a dict by Mamba type."""
+    from .state_copy import STATE_COPY_FUNCS
+
+    if isinstance(funcs, dict):
+        return bool(funcs) and all(f is STATE_COPY_FUNCS for f in funcs.values())
+    return funcs is STATE_COPY_FUNCS
+
+
+def _batch_state_moves() -> None:
+    from vllm.v1.worker import mamba_utils
+
+    from .state_copy import PoolLayout
+
+    original = mamba_utils.collect_mamba_copy_meta
+    layouts: dict = {}  # (group id, id(kv_cache_config)) -> PoolLayout
+
+    def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
+                                src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context):
+        if src_block_idx == dest_block_idx and accept_token_bias == 0:
+            return
+        if not _plugin_copy_funcs(mamba_state_copy_funcs):
+            return original(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx,
+                            dest_block_idx, accept_token_bias, req_state, forward_context)
+        offset = copy_bufs.offset
+        for group in mamba_group_ids:
+            key = (group, id(kv_cache_config))
+            layout = layouts.get(key)
+            if layout is None or not layout.current(forward_context):
+                names = kv_cache_config.kv_cache_groups[group].layer_names
+                layout = layouts[key] = PoolLayout.of(names, forward_context)
+            offset = layout.fill(copy_bufs, offset, req_state.block_ids[group], src_block_idx, dest_block_idx,
+                                 accept_token_bias)
+        copy_bufs.offset = offset
+
+    collect_mamba_copy_meta.__wrapped__ = original
+    mamba_utils.collect_mamba_copy_meta = collect_mamba_copy_meta
