@@ -3,7 +3,8 @@
     python benchmarks/throughput.py --models 130m --modes graph,eager --out /tmp/bench
     python benchmarks/throughput.py --models 2.7b,7b --modes graph --out $OUT --md benchmarks/RESULTS.md
     python benchmarks/throughput.py --models 2.7b --modes eager --interleave --out $OUT   # host-bound cells
-    python benchmarks/throughput.py --models grid --modes graph --workloads decode --batches 256 --out $OUT
+    MAMBA_DETERMINISTIC=1 python benchmarks/throughput.py --models grid --modes graph --workloads decode \
+        --batches 256 --out $OUT
 
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
@@ -17,6 +18,12 @@ Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decod
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
 ``plugin-jit-launch`` (VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0: every Triton launch through JITFunction.run),
 ``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is an old name of the default.
+
+The decode grid runs with MAMBA_DETERMINISTIC=1 (recorded per row as ``mamba_deterministic``): mamba-ssm then
+uses one fixed config for each SSD prefill kernel instead of autotuning it at start-up (for a shape without
+carried tunings, much of the plugin's start-up). No kernel of a decode step depends on it (the state update, the gated norm and the conv update
+are not autotuned), so the engine's decode step is unchanged; the mixed prefill steps are not what the grid
+measures.
 
 Every cell first runs its exact workload once, untimed (prompt + a few new tokens, or the whole prefill cell):
 Triton compiles a kernel per new integer specialisation (batch sizes, token counts), and a compile inside the
@@ -289,6 +296,7 @@ def worker(args) -> None:
 
     run(4, 64, 8)  # warm-up
     emit = dict(model=job["model"], impl=job["impl"], mode=job["mode"], model_class=cls, startup_s=startup,
+                mamba_deterministic=os.environ.get("MAMBA_DETERMINISTIC", ""),
                 ssm_cache_dtype=job["ssm_dtype"], state_dtypes=state_dtypes)
 
     def decode_cell(batch):
