@@ -69,6 +69,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self.dt_limit_is_noop = self.dt_limit[0] <= 0.0 and self.dt_limit[1] == float("inf")
         self.model_config = model_config
         self.cache_config = cache_config
+        # Prefix caching: prefill steps also write the states at block boundaries (and the warm-up compiles those
+        # calls too).
+        self.prefix_caching = bool(getattr(cache_config, "enable_prefix_caching", False))
 
         # Parameter names follow the HF checkpoint (in_proj, conv1d, dt_bias, A_log -> A, D, norm, out_proj).
         # Each rank loads its rows of in_proj ([z | x | B | C | dt]) and conv1d ([x | B | C]): its heads' z, x and
@@ -263,19 +266,25 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         return tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=dev)
                      for shape, dtype in zip(self.get_state_shape(), self.get_state_dtype()))
 
-    def run_prefill_block(self, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1, kernels=None):
+    def run_prefill_block(self, rows, lengths, resumed, conv_pool, ssm_pool, first_slot: int = 1, kernels=None,
+                          boundary_offsets=None):
         """One packed prefill block through the real prefill path and its gated norm: ``rows`` (sum(lengths),
         projection width) of projection outputs, sequences of ``lengths`` in slots first_slot, first_slot + 1, ...,
-        each resuming its slot's state where ``resumed`` says so. Returns the normed output (sum(lengths),
-        d_inner). kernels: the kernel module (default: the device's)."""
+        each resuming its slot's state where ``resumed`` says so. boundary_offsets (one list per sequence, prefix
+        caching's): the states after those tokens go to the slots after the sequences', in order. Returns the
+        normed output (sum(lengths), d_inner). kernels: the kernel module (default: the device's)."""
         k = kernels or get_kernels(rows.device)
         cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
         T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
         z, xBC, dt = self._split_projection(rows)
         plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
         slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
+        boundary_slots = None
+        if boundary_offsets is not None:
+            M = sum(len(offs) for offs in boundary_offsets)
+            boundary_slots = torch.arange(first_slot + len(lengths), first_slot + len(lengths) + M, device=dev)
         y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                               bool(flags.any()), plan)
+                               bool(flags.any()), plan, boundaries=(boundary_offsets, boundary_slots))
         return self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
 
     def run_decode_rows(self, rows, slots, conv_pool, ssm_pool):

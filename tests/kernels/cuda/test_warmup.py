@@ -117,6 +117,54 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     assert len(calls) == 2 * n
 
 
+@pytest.mark.parametrize("profile_tokens", [165, 1100],
+                         ids=["profile-run-over-2-chunks", "profile-run-over-16-chunks"])
+def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, profile_tokens, monkeypatch):
+    """With prefix caching the warm-up also runs the boundary-state calls (``warmup.boundary_layouts``): a lone
+    sequence's second pass up to its last boundary, without seq_idx, from zeros and from a saved state, at chunk
+    counts 1, 2 and (budget allowing) 16; and the padded rows of several sequences (2 and 16 rows, budget allowing),
+    from given initial states. Every boundary state goes to its own slot; without prefix caching none of it runs."""
+    from vllm_mamba2_plugin import mixer as mixer_mod
+
+    H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
+    layer = _mixer_layer("warmpc.mixer", H, P, G, N, W, cs)
+    with torch.no_grad():
+        for _, p in layer.named_parameters():
+            p.copy_(rnd(gen(93), *p.shape, scale=0.1))
+        layer.A.copy_(-torch.rand(H, generator=gen(94)) - 0.5)
+    layer = layer.to(kern.dev)
+    monkeypatch.setattr(layer, "get_state_dtype", lambda: (F32, F32))
+    monkeypatch.setattr(mixer_mod, "get_kernels", lambda dev: ck)
+    monkeypatch.setattr(warmup, "_WARMED_PREFILL", set())
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+
+    def recorded(x, *a, **kw):  # (batch rows, length, without seq_idx, with initial states)
+        calls.append((x.shape[0], x.shape[1], kw.get("seq_idx") is None, kw.get("initial_states") is not None))
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(ns, "ssd_fwd", recorded)
+    projected = torch.zeros(profile_tokens, layer.projection_width, device=kern.dev, dtype=F32)
+    warmup.warm_prefill(layer, projected)
+    plain = list(calls)
+    monkeypatch.setattr(layer, "prefix_caching", True)
+    calls.clear()
+    warmup.warm_prefill(layer, projected)  # another signature: warms again, with the boundary calls
+    assert calls[:len(plain)] == plain
+    extra = set(calls[len(plain):])
+    chunks = [1, 2] + ([16] if profile_tokens >= 16 * cs + 16 else [])
+    for c in chunks:
+        assert (1, c * cs, True, False) in extra and (1, c * cs, True, True) in extra  # a lone sequence's pass
+    for n in (2, 16):
+        for c in (1, 2):
+            if n * (c * cs + 16) <= profile_tokens:
+                assert (n, c * cs, True, True) in extra  # padded rows, initial states given (zeros when fresh)
+    assert (16, cs, True, True) in extra or profile_tokens < 16 * (cs + 16)
+    layouts = warmup.boundary_layouts(cs, profile_tokens)
+    assert all(o % cs == 0 and o <= n for lengths, _, offsets in layouts for n, offs in zip(lengths, offsets)
+               for o in offs)
+
+
 def _chunked_prefill_steps(rng, budget: int, n: int):
     """n steps as vLLM's scheduler makes them with chunked prefill: nd decode rows, then a prefill block of at most
     budget - nd tokens: maybe the rest of a prompt cut by the previous step (resumed), then fresh prompts, the
@@ -140,14 +188,16 @@ def _chunked_prefill_steps(rng, budget: int, n: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [24, 80], ids=["130m", "2.7b"])
-def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypatch):
+@pytest.mark.parametrize("H, caching", [(24, False), (80, False), (80, True)],
+                         ids=["130m", "2.7b", "2.7b-prefix-caching"])
+def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, caching, monkeypatch):
     """After the profile run's warm-ups (prefill and decode), the steps of serving compile no Triton kernel: a
     compile inside a step is a latency spike at a first request (vLLM's JIT monitor saw _state_passing_fwd_kernel
     compile at the first requests of 2.7b runs on the H200). Steps as vLLM's scheduler makes them
     at an 8 192-token budget (decode rows, a resumed chunk, fresh prompts, the last one cut), through the mixer's
-    own decode / prefill / norm steps. Triton's compile hook records every compile, warm-ups included, so a failure
-    names the specialisation the warm-up missed next to the ones it compiled."""
+    own decode / prefill / norm steps; with prefix caching, every sequence of a step starts on a block boundary and
+    writes the state at each boundary it crosses. Triton's compile hook records every compile, warm-ups included,
+    so a failure names the specialisation the warm-up missed next to the ones it compiled."""
     import random
 
     if not torch.cuda.is_available():
@@ -166,6 +216,7 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
     for m in (layer.in_proj, layer.conv1d, layer.out_proj, layer.norm):
         m.to(BF16)
     monkeypatch.setattr(layer, "get_state_dtype", lambda: (BF16, BF16))
+    monkeypatch.setattr(layer, "prefix_caching", caching)
     monkeypatch.setattr(warmup, "_WARMED_PREFILL", set())
     monkeypatch.setattr(warmup, "_WARMED_DECODE", set())
     compiles = []
@@ -180,19 +231,24 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, monkeypat
     warmup.warm_decode(layer, projected)
     warm, compiles[:] = list(compiles), []
 
-    conv_pool, ssm_pool = layer.scratch_pools(256, dev)
+    conv_pool, ssm_pool = layer.scratch_pools(320, dev)
     steps = [(0, [64, 64, 64, 64], [False] * 4), (0, [512], [False]), (0, [512] * 16, [False] * 16),
              (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16),
              (0, [64 + 7 * i for i in range(30)], [True] * 30),  # prefix-cache hits: many resumed suffixes
              (40, [100 + 5 * i for i in range(16)] + [512], [True] * 16 + [False]),
              (8, [200] * 5 + [1] * 40, [True] * 45)]  # padding too much for rows: the correction
     steps += _chunked_prefill_steps(random.Random(0), budget, 40)
+    if caching:  # a cache miss's fresh prompts, a hit whose suffix crosses a boundary, a long prompt's chunk
+        steps += [(0, [1536, 2304, 2304, 2048], [True, False, False, False]), (0, [2049], [False]),
+                  (12, [300, 80, 90], [True] * 3), (0, [4096, 4096], [True, False]), (0, [8192], [False])]
     missed = []
     for nd, lengths, resumed in steps:
         rows = torch.randn(nd + sum(lengths), projected.shape[-1], device=dev, dtype=BF16)
         if nd:
             layer.run_decode_rows(rows[:nd], torch.arange(1, nd + 1, device=dev), conv_pool, ssm_pool)
-        layer.run_prefill_block(rows[nd:], lengths, resumed, conv_pool, ssm_pool, first_slot=nd + 1)
+        offsets = [[cs * k for k in range(1, n // cs + 1)] for n in lengths] if caching else None
+        layer.run_prefill_block(rows[nd:], lengths, resumed, conv_pool, ssm_pool, first_slot=nd + 1,
+                                boundary_offsets=offsets)
         torch.cuda.synchronize()
         if compiles:
             missed.append((nd, lengths, resumed, list(compiles)))

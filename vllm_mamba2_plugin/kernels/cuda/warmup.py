@@ -42,7 +42,7 @@ def _signature(layer, projected: torch.Tensor) -> tuple:
 
 def warm_prefill(layer, projected: torch.Tensor) -> None:
     """Every layout of ``prefill_layouts`` through the layer's prefill path, once per layer signature."""
-    sig = (*_signature(layer, projected), layer.chunk_size, layer.dt_limit)
+    sig = (*_signature(layer, projected), layer.chunk_size, layer.dt_limit, getattr(layer, "prefix_caching", False))
     if sig in _WARMED_PREFILL:
         return
     layouts = prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, projected.shape[0])
@@ -50,6 +50,13 @@ def warm_prefill(layer, projected: torch.Tensor) -> None:
     for lengths, resumed in layouts:
         layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
                                 conv_pool, ssm_pool)
+    if getattr(layer, "prefix_caching", False):
+        boundary = boundary_layouts(layer.chunk_size, projected.shape[0])
+        slots = 1 + max(len(lengths) + sum(map(len, offsets)) for lengths, _, offsets in boundary)
+        conv_pool, ssm_pool = layer.scratch_pools(slots, projected.device)
+        for lengths, resumed, offsets in boundary:
+            layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
+                                    conv_pool, ssm_pool, boundary_offsets=offsets)
     _sync(projected.device)
     _WARMED_PREFILL.add(sig)
 
@@ -124,6 +131,26 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
         (reruns + [cs], [True] * len(reruns) + [False]),
         ([1] * many + [20], [True] * (many + 1)),
     ] + rows
+
+
+def boundary_layouts(chunk_size: int, tokens: int) -> list:
+    """(sequence lengths, resumes-a-state flags, boundary offsets) of the prefix-caching steps ``warm_prefill`` also
+    runs when the engine caches prefixes: the calls that compute the states at block boundaries
+    (``ssd_prefill._boundary_states``). Steps with caching start on block boundaries, so every offset is a multiple
+    of the chunk. A lone sequence crossing boundaries is run once more over its tokens up to its last boundary as
+    one batch row without seq_idx, from zeros (fresh) or from its state (resumed): its length is a multiple of 16
+    and its chunk count 1, other or 16k (where the budget allows). Several such sequences are the padded rows of
+    one call, from given initial states: 2 rows and 16 rows (Triton's classes), of one and of two chunks."""
+    cs, layouts = chunk_size, []
+    for chunks in [1, 2] + ([16] if tokens >= 16 * cs + 16 else []):
+        offsets = [[cs * k for k in range(1, chunks + 1)]]
+        layouts += [([chunks * cs + 16], [resumed], offsets) for resumed in (False, True)]
+    for chunks in (1, 2):
+        for n in (2, 16):
+            lengths = [chunks * cs + 16] * n
+            if sum(lengths) <= tokens:
+                layouts.append((lengths, [True] + [False] * (n - 1), [[cs * k for k in range(1, chunks + 1)]] * n))
+    return layouts
 
 
 def _sync(dev: torch.device) -> None:
