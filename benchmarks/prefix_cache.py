@@ -143,9 +143,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--profile", default=None, help="also profile a second batch (new suffixes) of every worker "
-                    "into DIR/<impl>-<mode>/ (benchmarks/trace_steps.py reads it)")
+                    "into DIR/<impl>-<mode>[-b<block size>]/ (benchmarks/trace_steps.py reads it)")
     ap.add_argument("--logs", default=None, help="write each worker's output (vLLM's log: start-up phases, Triton "
-                    "compiles during serving) to DIR/<impl>-<mode>-<workload>.log")
+                    "compiles during serving) to DIR/<impl>-<mode>[-b<block size>]-<workload>.log")
     ap.add_argument("--smoke", action="store_true", help="a tiny workload: checks the harness on a CPU")
     ap.add_argument("--out", default=None, help="append one JSON line per worker here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -188,7 +188,9 @@ def main() -> None:
             with open(os.path.join(args.logs, f"{name}-{args.workload}.log"), "w") as f:
                 f.write(proc.stdout + proc.stderr)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        result = json.loads(lines[-1][7:]) if lines else dict(impl=impl, mode=mode, error=proc.stderr[-2000:])
+        result = json.loads(lines[-1][7:]) if lines else dict(impl=impl, mode=mode, workload=args.workload,
+                                                              error=proc.stderr[-2000:])
+        result["block_size_arg"] = block_size
         result.update(model=args.model, command=" ".join(sys.argv))
         print(json.dumps(result), flush=True)
         if args.out:

@@ -445,9 +445,10 @@ def markdown(rows, bw, cmd) -> str:
 def engine_step_stats(r: dict, floor_step_s: float) -> dict:
     """The decode step by the engine's own clock: the mean period of the full-batch steps of the long run, its
     share of the HBM floor, and how much longer the long run's steps outside the full batch (the mixed prefill
-    steps, the staggered finish) took than the short run's. Both runs have the same such steps, so in exact
-    arithmetic ``decode_step_s`` = mean period + that gap / (new - mid): a gap well above zero means host noise
-    in the mixed steps (host-bound, no graph that large) is charged to the harness's decode step."""
+    steps, the staggered finish) took than the short run's. Both runs have the same such steps, so
+    ``decode_step_s`` = (n_long * mean_long - n_short * mean_short + gap) / (new - mid), n being each run's
+    full-batch periods; with equal means, mean + gap / (new - mid). A gap well above zero means host noise in the
+    mixed steps (host-bound, no graph that large) is charged to the harness's decode step."""
     full, mid = r.get("timeline") or {}, r.get("mid_timeline") or {}
     if not full.get("mean_ms"):
         return {}

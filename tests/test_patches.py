@@ -58,27 +58,54 @@ def test_install_is_idempotent(patched):
 
 # ---- patch 3: the prefix-caching runner's state moves -------------------------------------------------------------
 
-def _runner_fixture(monkeypatch, layers=3, blocks=9):
-    """What vLLM's runner hands collect_mamba_copy_meta: copy buffers, a KV-cache config of one Mamba group, the
-    forward context's layers with their (conv, ssm) pools (vLLM-style padded pages), a request's block ids."""
+def _pools(dtype, blocks=7, K=3, D=40, H=4, P=6, N=8, pad=24):
+    """(conv (blocks, K, D), ssm (blocks, H, P, N)) views of one buffer of padded pages, as vLLM's KV-cache tensors
+    for a Mamba layer: each state at its offset in the block's page, the page stride larger than both."""
+    import torch
+
+    es = torch.empty(0, dtype=dtype).element_size()
+    conv_n, ssm_n = K * D, H * P * N
+    page = conv_n + ssm_n + pad
+    raw = torch.zeros(blocks * page * es, dtype=torch.uint8).view(dtype)
+    return (raw.as_strided((blocks, K, D), (page, D, 1)),
+            raw.as_strided((blocks, H, P, N), (page, P * N, N, 1), conv_n))
+
+
+def _mixer_standin(pools):
+    """An object the patch takes for one of the plugin's mixer layers (its class), holding ``pools``."""
+    from vllm_mamba2_plugin.mixer import Mamba2Mixer
+
+    layer = Mamba2Mixer.__new__(Mamba2Mixer)
+    object.__setattr__(layer, "kv_cache", list(pools))
+    return layer
+
+
+def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
+    """What vLLM's runner hands collect_mamba_copy_meta: copy buffers (vLLM's dtypes: uint64 addresses, int32
+    sizes), a KV-cache config of one Mamba group, the forward context's layers with their (conv, ssm) pools, a
+    request's block ids, and vLLM's copy functions in this release's form."""
     import numpy as np
     import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
     from vllm.v1.worker import mamba_utils
 
-    from test_state_copy import _pools
-
-    if hasattr(mamba_utils, "_get_mamba_spec_for_layer"):  # 0.32 looks the copy functions up by Mamba type
+    by_type = hasattr(mamba_utils, "_get_mamba_spec_for_layer")  # 0.32 looks the functions up by Mamba type
+    if by_type:
         monkeypatch.setattr(mamba_utils, "_get_mamba_spec_for_layer", lambda g, n: SimpleNamespace(mamba_type="m2"))
     names = [f"backbone.layers.{i}.mixer" for i in range(layers)]
-    ctx = {n: SimpleNamespace(kv_cache=_pools(torch.bfloat16, blocks=blocks)) for n in names}
+    dtypes = dtypes or [torch.bfloat16] * layers
+    ctx = {n: (_mixer_standin if ours else lambda p: SimpleNamespace(kv_cache=list(p)))(_pools(dt, blocks=blocks))
+           for n, dt in zip(names, dtypes)}
     cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    funcs = (get_conv_copy_spec, get_temporal_copy_spec)
 
     def bufs():
-        return SimpleNamespace(offset=0, **{k: SimpleNamespace(np=np.zeros(64, dtype=np.int64))
-                                            for k in ("src_ptrs", "dst_ptrs", "sizes")})
+        return SimpleNamespace(offset=0, src_ptrs=SimpleNamespace(np=np.zeros(64, dtype=np.uint64)),
+                               dst_ptrs=SimpleNamespace(np=np.zeros(64, dtype=np.uint64)),
+                               sizes=SimpleNamespace(np=np.zeros(64, dtype=np.int32)))
 
     req = SimpleNamespace(block_ids=[[4, 7, 1, 8, 2]])
-    return mamba_utils, cfg, ctx, bufs, req
+    return mamba_utils, cfg, ctx, bufs, req, {"m2": funcs} if by_type else funcs
 
 
 def _install(monkeypatch, mamba_utils):
@@ -89,47 +116,82 @@ def _install(monkeypatch, mamba_utils):
     return mamba_utils.collect_mamba_copy_meta
 
 
+def _count_fills(monkeypatch):
+    from vllm_mamba2_plugin.state_copy import PoolLayout
+
+    fills, fill = [], PoolLayout.fill
+    monkeypatch.setattr(PoolLayout, "fill", lambda self, *a: fills.append(a) or fill(self, *a))
+    return fills
+
+
+def _same(a, b) -> bool:
+    return a.offset == b.offset and all((getattr(a, k).np == getattr(b, k).np).all()
+                                        for k in ("src_ptrs", "dst_ptrs", "sizes"))
+
+
 def test_batched_state_moves_equal_vllms_loop(monkeypatch):
-    """The patched collect_mamba_copy_meta writes the entries vLLM's own loop writes with the plugin's copy specs
-    (same addresses, sizes, order), for moves with 0-2 accepted speculative tokens and several requests in a row;
-    a no-op move writes nothing; other models' copy functions go through vLLM's loop."""
-    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+    """The patched collect_mamba_copy_meta writes the entries vLLM's own loop writes (same addresses, sizes,
+    order), for moves with 0-2 accepted speculative tokens and several requests in a row, on bf16 and fp32 pools;
+    a no-op move writes nothing. The batched form does the work (not vLLM's loop behind it)."""
+    import torch
 
-    from vllm_mamba2_plugin.state_copy import STATE_COPY_FUNCS
-
-    mamba_utils, cfg, ctx, bufs, req = _runner_fixture(monkeypatch)
+    mamba_utils, cfg, ctx, bufs, req, funcs = _runner_fixture(
+        monkeypatch, dtypes=[torch.bfloat16, torch.float32, torch.bfloat16])
     original = mamba_utils.collect_mamba_copy_meta
     patched = _install(monkeypatch, mamba_utils)
     assert patched is not original and patched.__wrapped__ is original
-    by_type = hasattr(mamba_utils, "_get_mamba_spec_for_layer")  # 0.32: a dict by Mamba type; 0.26: the tuple
-    funcs = {"m2": STATE_COPY_FUNCS} if by_type else STATE_COPY_FUNCS
-    theirs = {"m2": (get_conv_copy_spec, get_temporal_copy_spec)} if by_type else (get_conv_copy_spec,
-                                                                                    get_temporal_copy_spec)
-    for fs in (funcs, theirs):
-        want, got = bufs(), bufs()
-        for src, dst, bias in ((1, 2, 0), (0, 3, 1), (1, 3, 2), (2, 2, 0)):
-            original(want, cfg, fs, [0], src, dst, bias, req, ctx)
-            patched(got, cfg, fs, [0], src, dst, bias, req, ctx)
-        assert got.offset == want.offset == 3 * 3 * 2
-        for k in ("src_ptrs", "dst_ptrs", "sizes"):
-            assert (getattr(got, k).np == getattr(want, k).np).all(), k
+    fills = _count_fills(monkeypatch)
+    want, got = bufs(), bufs()
+    for src, dst, bias in ((1, 2, 0), (0, 3, 1), (1, 3, 2), (2, 2, 0)):
+        original(want, cfg, funcs, [0], src, dst, bias, req, ctx)
+        patched(got, cfg, funcs, [0], src, dst, bias, req, ctx)
+    assert want.offset == 3 * 3 * 2 and _same(got, want)
+    assert len(fills) == 3
 
 
-def test_batched_state_moves_follow_reallocated_pools(monkeypatch):
+def test_other_models_and_odd_moves_go_through_vllms_loop(monkeypatch):
+    """Layers that are not the plugin's, and a negative accepted-token bias, take vLLM's own function."""
+    mamba_utils, cfg, ctx, bufs, req, funcs = _runner_fixture(monkeypatch, ours=False)
+    original = mamba_utils.collect_mamba_copy_meta
+    patched = _install(monkeypatch, mamba_utils)
+    fills = _count_fills(monkeypatch)
+    want, got = bufs(), bufs()
+    original(want, cfg, funcs, [0], 1, 2, 0, req, ctx)
+    patched(got, cfg, funcs, [0], 1, 2, 0, req, ctx)
+    assert _same(got, want) and want.offset == 6 and not fills
+    _, cfg, ctx, bufs, req, funcs = _runner_fixture(monkeypatch)
+    want, got = bufs(), bufs()
+    original(want, cfg, funcs, [0], 2, 3, -1, req, ctx)
+    patched(got, cfg, funcs, [0], 2, 3, -1, req, ctx)
+    assert _same(got, want) and not fills
+
+
+def test_batched_state_moves_follow_new_pools_of_any_layer(monkeypatch):
+    """A layout is rebuilt when any layer's pools change (re-allocation; another engine's layers under the same
+    names), not only the first layer's."""
     import torch
 
-    from test_state_copy import _pools
-    from vllm_mamba2_plugin.state_copy import STATE_COPY_FUNCS
-
-    mamba_utils, cfg, ctx, bufs, req = _runner_fixture(monkeypatch)
+    mamba_utils, cfg, ctx, bufs, req, funcs = _runner_fixture(monkeypatch)
     original = mamba_utils.collect_mamba_copy_meta
-    if hasattr(mamba_utils, "_get_mamba_spec_for_layer"):
-        STATE_COPY_FUNCS = {"m2": STATE_COPY_FUNCS}  # noqa: N806  (0.32's form)
     patched = _install(monkeypatch, mamba_utils)
-    patched(bufs(), cfg, STATE_COPY_FUNCS, [0], 1, 2, 0, req, ctx)
-    for layer in ctx.values():  # new pools (e.g. after the KV cache is re-allocated)
-        layer.kv_cache = _pools(torch.bfloat16, blocks=9)
+    b = bufs()
+    patched(b, cfg, funcs, [0], 1, 2, 0, req, ctx)
+    for name in list(ctx)[1:]:  # new, differently shaped pools for the later layers only
+        ctx[name].kv_cache[:] = _pools(torch.bfloat16, blocks=12, D=48)
     want, got = bufs(), bufs()
-    original(want, cfg, STATE_COPY_FUNCS, [0], 1, 2, 0, req, ctx)
-    patched(got, cfg, STATE_COPY_FUNCS, [0], 1, 2, 0, req, ctx)
-    assert (got.src_ptrs.np == want.src_ptrs.np).all() and (got.dst_ptrs.np == want.dst_ptrs.np).all()
+    got.__dict__.update({k: v for k, v in b.__dict__.items() if k.startswith("_")})  # the same runner's cache
+    original(want, cfg, funcs, [0], 1, 2, 0, req, ctx)
+    patched(got, cfg, funcs, [0], 1, 2, 0, req, ctx)
+    assert _same(got, want)
+
+
+def test_the_model_keeps_vllms_copy_specs():
+    """vLLM 0.32's V2 runner (its default on CUDA) asserts that the copy functions are its own
+    (``_populate_metadata``): the model hands both runners vLLM's, and patch 3 recognises its layers instead."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+
+    from vllm_mamba2_plugin.model import Mamba2PluginForCausalLM
+
+    assert tuple(Mamba2PluginForCausalLM.get_mamba_state_copy_func()) == (get_conv_copy_spec, get_temporal_copy_spec)
+    assert {tuple(f) for f in Mamba2PluginForCausalLM.get_mamba_state_copy_funcs(["m2"]).values()} == {
+        (get_conv_copy_spec, get_temporal_copy_spec)}

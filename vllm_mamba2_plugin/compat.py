@@ -39,8 +39,8 @@ from vllm.model_executor.model_loader.weight_utils import (  # noqa: F401
     default_weight_loader,
     sharded_weight_loader,
 )
-from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: F401
-    MambaCopySpec,
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: F401
@@ -102,6 +102,11 @@ def state_dtypes(model_config, cache_config) -> tuple[torch.dtype, torch.dtype]:
             model_config.dtype, cache_config.mamba_cache_dtype, cache_config.mamba_ssm_cache_dtype
         )
     )
+
+
+def mamba2_state_copy_funcs():
+    """vLLM's own copy specs: vLLM 0.32's V2 runner accepts no others (``_populate_metadata`` asserts them)."""
+    return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
 
 
 def seq_lens_cpu(cam) -> torch.Tensor:

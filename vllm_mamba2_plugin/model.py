@@ -23,11 +23,9 @@ from itertools import islice
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, patches
 from .mixer import Mamba2Mixer
-from . import patches
 from .spec import state_shapes
-from .state_copy import STATE_COPY_FUNCS
 from .validation import ERROR_PREFIX, check_hf_config
 
 
@@ -103,11 +101,11 @@ class Mamba2PluginForCausalLM(nn.Module, compat.HasInnerState, compat.IsAttentio
 
     @classmethod
     def get_mamba_state_copy_func(cls):  # 0.26's runner: copies a state between blocks (prefix caching)
-        return STATE_COPY_FUNCS
+        return compat.mamba2_state_copy_funcs()
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types):  # 0.32's runner: the same, per Mamba type
-        return {t: STATE_COPY_FUNCS for t in mamba_types}
+        return {t: compat.mamba2_state_copy_funcs() for t in mamba_types}
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()

@@ -25,19 +25,21 @@ every process (``register()``), or the worker process (``install_worker``, when 
    Delete when: vLLM's "auto" detection asks registered parsers, or vLLM reads mamba_ssm configs itself.
 
 3. The prefix-caching runner's state moves (``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta``).
-   What: installed in the worker process when the plugin's model is built (``install_worker``). For requests whose
-   state copy functions are the plugin's (``state_copy.STATE_COPY_FUNCS``), the source and destination addresses
-   and byte counts of a request's block move are computed for all layers at once, from each state pool's base
-   address and strides (cached per pool), in numpy; any other model goes through vLLM's function unchanged.
-   Why: before every step with prefix caching, vLLM's runner (``preprocess_mamba``, "align" mode) collects them in
-   Python per (request that moves to a new block, layer, state), indexing the state tensors twice per entry: every
-   cache hit and every prefill chunk that crosses a block moves. A step of 51 cache hits at the 2.7b shape makes
-   51 x 64 x 2 entries, and a profile on the H200 showed ~42 ms of ``aten::select`` alone in such a step
-   (docs/prefix-caching.md). Same entries, same order: ``tests/test_patches.py``.
-   Verified: vLLM 0.32.0 (CPU, ``tests/test_patches.py`` against vLLM's function, the prefix-caching engine tests).
-   Same function and signature in 0.26.0.
-   Delete when: vLLM's runner builds these copies without a per-layer Python loop (its V2 runner's fused pre-copy
-   kernel does, for models that run on it).
+   What: installed in the worker process when the plugin's model is built with prefix caching
+   (``install_worker``). For a KV-cache group whose layers are all the plugin's mixers, the source and
+   destination addresses and byte counts of a request's block move are computed for all layers at once from each
+   state pool's base address and strides (``state_copy.PoolLayout``, kept per runner and rebuilt when a layer's
+   pools change); any other group, and a negative accepted-token bias, go through vLLM's function unchanged.
+   Why: before every step with prefix caching, vLLM's V1 runner (``preprocess_mamba``, "align" mode) collects
+   them in Python per (request that moves to a new block, layer, state), indexing the pool twice per entry:
+   every cache hit and every prefill chunk that crosses a block moves. A step of 51 cache hits at the 2.7b shape
+   makes 51 x 64 x 2 entries; a profile on the H200 showed ~42 ms of ``aten::select`` alone in such a step
+   (benchmarks/RESULTS.md, "Prefix caching"). Same entries, same order: ``tests/test_patches.py``.
+   Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py`` against vLLM's function, the prefix-caching engine
+   tests). Same function and signature in 0.26.0. vLLM 0.32's V2 runner (its default on CUDA) moves states with
+   a fused kernel and never calls it.
+   Delete when: vLLM's V1 runner builds these copies without a per-layer Python loop, or every supported release
+   runs the plugin's model on a runner that does.
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs
@@ -93,37 +95,32 @@ def _check_prompt_token_ids() -> None:
     InputProcessor._validate_model_input = _validate_model_input
 
 
-def _plugin_copy_funcs(funcs) -> bool:
-    """The runner's copy functions are the plugin's: 0.26 passes the model's tuple, 0.32 a dict by Mamba type."""
-    from .state_copy import STATE_COPY_FUNCS
-
-    if isinstance(funcs, dict):
-        return bool(funcs) and all(f is STATE_COPY_FUNCS for f in funcs.values())
-    return funcs is STATE_COPY_FUNCS
-
-
 def _batch_state_moves() -> None:
     from vllm.v1.worker import mamba_utils
 
+    from .mixer import Mamba2Mixer
     from .state_copy import PoolLayout
 
     original = mamba_utils.collect_mamba_copy_meta
-    layouts: dict = {}  # (group id, id(kv_cache_config)) -> PoolLayout
 
     def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
                                 src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context):
         if src_block_idx == dest_block_idx and accept_token_bias == 0:
             return
-        if not _plugin_copy_funcs(mamba_state_copy_funcs):
+        layouts = copy_bufs.__dict__.setdefault("_mamba2_plugin_layouts", {})  # per runner: dies with it
+        groups = []
+        for group in mamba_group_ids:
+            names = kv_cache_config.kv_cache_groups[group].layer_names
+            layout = layouts.get(group)
+            if layout is None or not layout.current(names, forward_context):
+                ours = bool(names) and all(isinstance(forward_context[n], Mamba2Mixer) for n in names)
+                layout = layouts[group] = PoolLayout.of(names, forward_context) if ours else None
+            groups.append((group, layout))
+        if accept_token_bias < 0 or any(layout is None for _, layout in groups):
             return original(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx,
                             dest_block_idx, accept_token_bias, req_state, forward_context)
         offset = copy_bufs.offset
-        for group in mamba_group_ids:
-            key = (group, id(kv_cache_config))
-            layout = layouts.get(key)
-            if layout is None or not layout.current(forward_context):
-                names = kv_cache_config.kv_cache_groups[group].layer_names
-                layout = layouts[key] = PoolLayout.of(names, forward_context)
+        for group, layout in groups:
             offset = layout.fill(copy_bufs, offset, req_state.block_ids[group], src_block_idx, dest_block_idx,
                                  accept_token_bias)
         copy_bufs.offset = offset

@@ -34,7 +34,7 @@ def test_engine_step_is_the_mean_full_batch_period_and_the_gap_explains_the_harn
     # Long run: 224 more decode steps of 14 ms than the short run, and its other steps 0.56 s longer (host noise
     # in the mixed prefill steps). The harness's difference reads 14 + 560 / 224 = 16.5 ms per step.
     full = dict(mean_ms=14.0, outside_full_batch_ms=2950.0)
-    mid = dict(mean_ms=14.5, outside_full_batch_ms=2390.0)
+    mid = dict(mean_ms=14.0, outside_full_batch_ms=2390.0)
     r = dict(timeline=full, mid_timeline=mid, decode_step_s=(224 * 14.0 + 560.0) / 224 / 1e3)
     stats = throughput.engine_step_stats(r, floor_step_s=0.0112)
     assert stats["engine_step_ms"] == 14.0

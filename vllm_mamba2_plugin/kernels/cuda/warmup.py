@@ -50,8 +50,9 @@ def warm_prefill(layer, projected: torch.Tensor) -> None:
     for lengths, resumed in layouts:
         layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
                                 conv_pool, ssm_pool)
-    if getattr(layer, "prefix_caching", False):
-        boundary = boundary_layouts(layer.chunk_size, projected.shape[0])
+    caching = getattr(layer, "prefix_caching", False)
+    boundary = boundary_layouts(layer.chunk_size, projected.shape[0]) if caching else []
+    if boundary:
         slots = 1 + max(len(lengths) + sum(map(len, offsets)) for lengths, _, offsets in boundary)
         conv_pool, ssm_pool = layer.scratch_pools(slots, projected.device)
         for lengths, resumed, offsets in boundary:
@@ -136,15 +137,19 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
 def boundary_layouts(chunk_size: int, tokens: int) -> list:
     """(sequence lengths, resumes-a-state flags, boundary offsets) of the prefix-caching steps ``warm_prefill`` also
     runs when the engine caches prefixes: the calls that compute the states at block boundaries
-    (``ssd_prefill._boundary_states``). Steps with caching start on block boundaries, so every offset is a multiple
-    of the chunk. A lone sequence crossing boundaries is run once more over its tokens up to its last boundary as
-    one batch row without seq_idx, from zeros (fresh) or from its state (resumed): its length is a multiple of 16
-    and its chunk count 1, other or 16k (where the budget allows). Several such sequences are the padded rows of
-    one call, from given initial states: 2 rows and 16 rows (Triton's classes), of one and of two chunks."""
+    (``ssd_prefill._boundary_states``), within the step budget ``tokens``. Covered: steps that start on block
+    boundaries, so that every offset is a multiple of the chunk -- what vLLM's "align" scheduling makes while the
+    block fits the budget (vLLM 0.32 may start a step inside a block when it does not; the offsets' own forwards
+    then compile at their first use). A lone sequence crossing boundaries runs once more over its tokens up to its
+    last boundary as one batch row without seq_idx, from zeros (fresh) or from its state (resumed): a length that
+    is a multiple of 16, chunk counts 1, other and 16k. Several such sequences are the padded rows of one call from
+    given initial states: 2 and 16 rows (Triton's classes), of chunk counts 1 and other (``varlen_plan`` keeps rows
+    calls below 16 chunks; longer sequences take the lone passes)."""
     cs, layouts = chunk_size, []
-    for chunks in [1, 2] + ([16] if tokens >= 16 * cs + 16 else []):
-        offsets = [[cs * k for k in range(1, chunks + 1)]]
-        layouts += [([chunks * cs + 16], [resumed], offsets) for resumed in (False, True)]
+    for chunks in (1, 2, 16):
+        if chunks * cs + 16 <= tokens:
+            offsets = [[cs * k for k in range(1, chunks + 1)]]
+            layouts += [([chunks * cs + 16], [resumed], offsets) for resumed in (False, True)]
     for chunks in (1, 2):
         for n in (2, 16):
             lengths = [chunks * cs + 16] * n
