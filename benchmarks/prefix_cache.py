@@ -106,9 +106,10 @@ def worker(job: dict) -> dict:
     ideal = len(prompts) * (job["system"] // block * block) if job["workload"] == "hits" else 0
     cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)  # each request's own count: no stats path
     if job["profile_dir"]:  # the same workload with new suffixes (the timed ones are cached now), profiled
-        again = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
         if job["workload"] == "misses":  # new prompts sharing nothing, like the timed ones
-            again = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in again]
+            again = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
+        else:
+            again = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
         llm.start_profile()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in again], params, use_tqdm=False)
         llm.stop_profile()

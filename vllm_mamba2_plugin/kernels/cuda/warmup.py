@@ -41,23 +41,21 @@ def _signature(layer, projected: torch.Tensor) -> tuple:
 
 
 def warm_prefill(layer, projected: torch.Tensor) -> None:
-    """Every layout of ``prefill_layouts`` through the layer's prefill path, once per layer signature."""
-    sig = (*_signature(layer, projected), layer.chunk_size, layer.dt_limit, getattr(layer, "prefix_caching", False))
+    """Every layout of ``prefill_layouts`` (and with prefix caching of ``boundary_layouts``) through the layer's
+    prefill path, once per layer signature."""
+    sig = (*_signature(layer, projected), layer.chunk_size, layer.dt_limit, layer.prefix_caching)
     if sig in _WARMED_PREFILL:
         return
-    layouts = prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, projected.shape[0])
-    conv_pool, ssm_pool = layer.scratch_pools(1 + max(len(lengths) for lengths, _ in layouts), projected.device)
-    for lengths, resumed in layouts:
+    tokens = projected.shape[0]
+    layouts = [(lengths, resumed, None)
+               for lengths, resumed in prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, tokens)]
+    if layer.prefix_caching:
+        layouts += boundary_layouts(layer.chunk_size, tokens)
+    slots = 1 + max(len(lengths) + sum(map(len, offsets or [])) for lengths, _, offsets in layouts)
+    conv_pool, ssm_pool = layer.scratch_pools(slots, projected.device)
+    for lengths, resumed, offsets in layouts:
         layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
-                                conv_pool, ssm_pool)
-    caching = getattr(layer, "prefix_caching", False)
-    boundary = boundary_layouts(layer.chunk_size, projected.shape[0]) if caching else []
-    if boundary:
-        slots = 1 + max(len(lengths) + sum(map(len, offsets)) for lengths, _, offsets in boundary)
-        conv_pool, ssm_pool = layer.scratch_pools(slots, projected.device)
-        for lengths, resumed, offsets in boundary:
-            layer.run_prefill_block(projected.new_zeros(sum(lengths), projected.shape[-1]), lengths, resumed,
-                                    conv_pool, ssm_pool, boundary_offsets=offsets)
+                                conv_pool, ssm_pool, boundary_offsets=offsets)
     _sync(projected.device)
     _WARMED_PREFILL.add(sig)
 
