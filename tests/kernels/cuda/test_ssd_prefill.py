@@ -270,10 +270,12 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
 
 @pytest.mark.parametrize("states", ["none", "unflagged-garbage"])
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
-def test_ssd_boundary_states_of_fresh_prompts_take_one_call(kern, name, states, monkeypatch):
-    """A prefix-caching step of fresh prompts (a cache miss: each prompt's first chunk of tokens crosses block
-    boundaries): the boundary states of all of them come from ONE call of padded rows from zero states, after
-    the packed call; with no initial states at all, or with garbage in unflagged slots. Against the reference."""
+def test_ssd_boundary_states_of_fresh_prompts_come_from_the_packed_call(kern, name, states, monkeypatch):
+    """A prefix-caching step of fresh prompts (a cache miss: each prompt's first tokens cross block boundaries):
+    their boundary states are states the packed call passes between its chunks, once padding moves the prompts
+    whose boundaries would fall inside a chunk onto chunk starts (here 8 tokens before the last one); a prompt
+    ending on a boundary takes its final state. ONE SSD call, no second pass; with no initial states at all, or
+    with garbage in unflagged slots. Against the reference."""
     c = case(kern, name)
     cs = c.cs
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
@@ -292,10 +294,89 @@ def test_ssd_boundary_states_of_fresh_prompts_take_one_call(kern, name, states, 
     y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
                                           boundary_offsets=offsets)
     y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias, boundary_offsets=offsets)
-    L = -(-3 * cs // 16) * 16
-    assert calls == [(1, sum(lens)), (3, L)], calls  # the packed call, then three rows up to their last offsets
+    pad = (-(sum(lens[:3]) + cs)) % cs
+    assert pad == 8 and calls == [(1, sum(lens) + pad)], calls  # the packed call alone, the last prompt moved
     t = tol(kern, "ssd", F32)
     assert at.shape == at_r.shape == (6, c.H, c.P, c.N)
     assert_close(at, at_r, t, "boundary states")
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+    assert_close(fin, fin_r, t, "final states")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_boundary_states_of_a_continued_prompt_come_from_the_packed_call(kern, name, dtype, monkeypatch):
+    """A prompt continued from its slot's state (the first sequence: the kernel's own initial state) whose step
+    began inside a block (boundaries at 5, chunk + 5, ...): inert padding in front of it moves its boundaries onto
+    chunk starts, so the packed call's passed states serve them, and the fresh prompt after it too. ONE SSD call.
+    Against the reference."""
+    c = case(kern, name)
+    cs = c.cs
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, real = [], ns.ssd_fwd
+    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    lens = [2 * cs + 5, cs + 4]
+    offsets = [[5, cs + 5, 2 * cs + 5], [cs]]
+    flags = [True, False]
+    x, _, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=17)
+    g = gen(18)
+    raw = rnd(g, sum(lens), c.H).to(kern.dev, dtype)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    h0 = garbage_states(gen(19), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
+                                          boundary_offsets=offsets)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+                                   boundary_offsets=offsets)
+    assert calls == [(1, sum(lens) + cs - 5)], calls  # one packed call, cs - 5 padding tokens in front
+    t = tol(kern, "ssd", dtype)
+    assert at.shape == at_r.shape == (4, c.H, c.P, c.N)
+    assert_close(at, at_r, t, "boundary states")
+    assert_close(y, y_r, t, "y")
+    assert_close(fin, fin_r, t, "final states")
+
+
+def _random_prefix_caching_step(rng, cs):
+    """A prefill block as prefix caching makes it: S sequences, each fresh or resuming after num_computed tokens
+    (mostly a block boundary, sometimes inside a block), the boundaries of blocks of bs tokens it crosses as offsets
+    (0 < o <= its length), now and then an empty sequence. Returns (lengths, resumed flags, offsets)."""
+    bs = cs * rng.choice([1, 2])
+    lens, flags, offsets = [], [], []
+    for _ in range(rng.randint(1, 6)):
+        resumed = rng.random() < 0.5
+        computed = (rng.randint(1, 3) * bs + (rng.randint(1, bs - 1) if rng.random() < 0.3 else 0)) if resumed else 0
+        n = 0 if rng.random() < 0.1 else rng.randint(1, 4 * bs)
+        lens.append(n)
+        flags.append(resumed)
+        offsets.append([(b + 1) * bs - computed for b in range(computed // bs, (computed + n) // bs)])
+    return lens, flags, offsets
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_path):
+    """Random prefix-caching blocks (fresh and resumed sequences, boundaries at and inside chunks, empty ones),
+    through every resumed-sequence path: outputs, final states and the states at every boundary against the
+    reference's."""
+    import random
+
+    c = case(kern, "tiny-g2")
+    lens, flags, offsets = _random_prefix_caching_step(random.Random(seed), c.cs)
+    x, _, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=20 + seed, pad=3)
+    g = gen(40 + seed)
+    raw = rnd(g, x.shape[0], c.H).to(kern.dev)
+    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
+    h0 = garbage_states(gen(60 + seed), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, dt_bias=dt_bias,
+                                          boundary_offsets=offsets)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+                                   boundary_offsets=offsets)
+    t = tol(kern, "ssd", F32)
+    assert at.shape == at_r.shape == (sum(map(len, offsets)), c.H, c.P, c.N)
+    if at.numel():
+        assert_close(at, at_r, t, f"boundary states of {lens}, resumed {flags}, offsets {offsets}")
     assert_close(y, y_r, t, "y")
     assert_close(fin, fin_r, t, "final states")

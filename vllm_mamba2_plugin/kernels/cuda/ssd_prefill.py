@@ -55,7 +55,17 @@ import torch
 from .. import reference
 from ..reference import _select_initial, row_range
 from . import upstream
-from .varlen_plan import BoundaryRowsPlan, InitCorrectionPlan, PaddedRows, VarlenPlan, boundary_rows, build_plan
+from .varlen_plan import (
+    AlignedPacking,
+    BoundaryPlan,
+    BoundaryRowsPlan,
+    InitCorrectionPlan,
+    PaddedRows,
+    VarlenPlan,
+    boundary_plan,
+    boundary_rows,
+    build_plan,
+)
 
 
 def plan_prefill(
@@ -117,41 +127,69 @@ def ssd_chunk_scan(
         no_states = x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
         return result if boundary_offsets is None else (*result, no_states)
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
-    out, fin_k = _scan(fwd, plan, initial_states, state_dtype)
+    bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
+                                                             initial_states is not None, fwd.pads_are_inert())
+    if bp is not None and bp.packing is not None:  # the packed call with its sequences moved onto chunk starts
+        out, fin_k, packed = _scan(fwd.gathered(bp.packing), bp.packing.plan, initial_states, state_dtype)
+        out = out.index_select(0, bp.packing.real)
+    else:
+        out, fin_k, packed = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
-    if boundary_offsets is None:
+    if bp is None:
         return result
-    return (*result, _boundary_states(fwd, plan, initial_states, boundary_offsets, state_dtype, (H, P, N)))
+    return (*result, _boundary_states(fwd, plan, bp, packed, result[1], initial_states, state_dtype, (H, P, N)))
 
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
     """Paths 1-6 of the module doc: (out (Tu, H, P) in x's dtype, final states (S', H, P, N) of the non-empty
-    sequences, in C's dtype or float32)."""
+    sequences, in C's dtype or float32, the packed call's result tuple or None where there was none)."""
     has = initial_states is not None
     native = plan.native_first(has)
     rows = has and not native and plan.rows is not None and not plan.reruns_resumed() and fwd.pads_are_inert()
     if rows and len(plan.resumed) == len(plan.nonempty):  # every sequence resumes: the rows call alone
-        return _resumed_rows(fwd, None, None, plan, initial_states)
+        return (*_resumed_rows(fwd, None, None, plan, initial_states), None)
     out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
     if native:
-        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype)
+        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype), res
     if plan.init is None or not has:
-        return out, fin_k
+        return out, fin_k, res
     if plan.reruns_resumed():
-        return _rerun_resumed(fwd, out, fin_k, plan, initial_states)
+        return (*_rerun_resumed(fwd, out, fin_k, plan, initial_states), res)
     if rows:
-        return _resumed_rows(fwd, out, fin_k, plan, initial_states)
+        return (*_resumed_rows(fwd, out, fin_k, plan, initial_states), res)
     lo, hi = plan.cu[0], plan.cu[-1]
     H = fwd.x.shape[1]
     dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
     fin_k = fin_k.to(torch.float32)
     out = add_initial_state(out, fin_k, dt_ht, fwd.A, fwd.C[lo:hi], plan.init,
                             initial_states[plan.init.rows].to(torch.float32))
-    return out.to(fwd.x.dtype), fin_k
+    return out.to(fwd.x.dtype), fin_k, res
 
 
-def _boundary_states(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):
-    """The states after the first o tokens of each sequence, for each o of boundary_offsets (per sequence).
+def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, packed, finals, initial_states,
+                     state_dtype, hpn):
+    """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
+    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call's chunk states (``packed[4]``, in C's
+    dtype), the final states (finals: (S, H, P, N) in state_dtype) and a second pass for the rest. (M, H, P, N)
+    in state_dtype."""
+    parts = []
+    if bp.chunk.numel():
+        if packed is None:
+            raise AssertionError("boundary states planned from a packed call that did not run")
+        parts.append(packed[4][0].index_select(0, bp.chunk).to(state_dtype))
+    if bp.final.numel():
+        parts.append(finals.index_select(0, bp.final))
+    if bp.rest is not None:
+        parts.append(_second_pass(fwd, plan, initial_states, bp.rest, state_dtype, hpn))
+    if not parts:
+        return torch.zeros(0, *hpn, dtype=state_dtype, device=fwd.x.device)
+    states = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return states if bp.order is None else states.index_select(0, bp.order)
+
+
+def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):
+    """The states after the first o tokens of each sequence, for each o of boundary_offsets (per sequence), by
+    computing those sequences again.
 
     Every sequence that has offsets runs over its tokens up to its last offset as a batch row from its own
     initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
@@ -219,6 +257,17 @@ class _Forward:
         """The dt of a padding token. Raw: softplus(-1e4 + dt_bias) = log(1 + exp(-1e4 + b)) = 0 in float32 (and
         in the kernel's float32 arithmetic for a bf16 input), then clamped to [0, ...]; processed: 0."""
         return -1e4 if self.raw else 0.0
+
+    def gathered(self, packing: AlignedPacking) -> "_Forward":
+        """The same forward over the padded tokens of ``packing`` (its plan's coordinates); a padding token gets
+        ``pad_dt``. Needs ``pads_are_inert``."""
+
+        def gather(t):
+            return t.index_select(0, packing.src)
+
+        dt = gather(self.dt).masked_fill_(packing.pad[:, None], self.pad_dt())
+        return _Forward(gather(self.x), dt, self.A, gather(self.B), gather(self.C), self.chunk_size, self.D,
+                        self.dt_bias, self.dt_limit)
 
     def padded(self, rows: PaddedRows, initial_states: torch.Tensor):
         """The forward over padded rows (``varlen_plan.PaddedRows``), each from its row of initial_states; a

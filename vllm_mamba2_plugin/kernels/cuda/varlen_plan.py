@@ -127,6 +127,46 @@ class BoundaryRowsPlan:
 
 
 @dataclass
+class AlignedPacking:
+    """The step's packed call with inert padding in front of some sequences, so that their block boundaries fall
+    on chunk boundaries of the call: the state after o tokens of such a sequence is then the state entering one of
+    the call's chunks (its ``states``), and prefix caching needs no second pass over those sequences.
+
+    plan: the padded step's plan (tokens 0..Tp; a sequence's bounds include its leading padding); src: (Tp,) long:
+    the token of x at each padded position (padding repeats the sequence's first token: with a processed step
+    size of 0 it neither decays nor feeds the state, whatever its x, B and C); pad: (Tp,) bool: padding positions;
+    real: (Tu,) long: the padded position of each of the step's tokens cu[0]..cu[S]-1."""
+
+    plan: "VarlenPlan"
+    src: torch.Tensor
+    pad: torch.Tensor
+    real: torch.Tensor
+
+
+@dataclass
+class BoundaryPlan:
+    """Where prefix caching's boundary states of a step come from (``ssd_prefill._boundary_states``); built on
+    the host and uploaded once per step. Three sources, concatenated in this order, then put in the order of the
+    offsets (``order``):
+
+    1. chunk: (Mc,) long: chunks of the packed call whose entering state is the state at an inner offset (one
+       before the sequence's end) of a sequence the packed call computes from its true initial state (fresh, or
+       the first sequence taking the kernel's own initial state), aligned by ``packing`` where needed;
+    2. final: (Mf,) long: sequences whose offset is their end: the final state, whatever path computed it;
+    3. rest: the other offsets (inner offsets of resumed sequences the packed call computes from zeros), per
+       sequence, for a second pass over those sequences (``boundary_rows`` or one forward each); None if none.
+
+    packing: None when the packed call runs unpadded (no sequence needs to move, or none is served by it).
+    order: (M,) long: each offset's row in cat(chunk states, final states, rest's states); None: already in order."""
+
+    packing: Optional[AlignedPacking]
+    chunk: torch.Tensor
+    final: torch.Tensor
+    rest: Optional[List[List[int]]]
+    order: Optional[torch.Tensor]
+
+
+@dataclass
 class VarlenPlan:
     # host
     cu: List[int]  # (S+1) token bounds
@@ -145,7 +185,9 @@ class VarlenPlan:
     rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
-    # boundary_rows' result for the step's boundary offsets (the same list object for every layer): (offsets, plan)
+    # boundary_plan's and boundary_rows' results for the step's boundary offsets (the same list object for every
+    # layer): (offsets, plan)
+    boundary_plan_cache: Optional[tuple] = None
     boundary_cache: Optional[tuple] = None
     # conv_boundary_rows' result, likewise: (offsets, K, ConvBoundaryRows)
     conv_boundary_cache: Optional[tuple] = None
@@ -359,6 +401,78 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
     final_row = (end_row[:, None] - K + np.arange(K)[None, :]).reshape(-1)
     return {k: torch.from_numpy(v) for k, v in
             (("tok_row", tok_row), ("state_row", state_row), ("seq_idx", seq_idx), ("final_row", final_row))}
+
+
+def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, pads_ok: bool) -> BoundaryPlan:
+    """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
+    per plan. has_states: the scan gets initial states at all; pads_ok: padding tokens can be made inert
+    (``ssd_prefill._Forward.pads_are_inert``). A sequence the packed call computes from its true initial state
+    gets ``(-(position + o)) % chunk_size`` padding tokens in front of it, o its first inner offset (its inner
+    offsets are block boundaries, one or more blocks apart: they agree modulo the chunk)."""
+    if plan.boundary_plan_cache is not None and plan.boundary_plan_cache[0] is offsets:
+        return plan.boundary_plan_cache[1]
+    if len(offsets) != plan.S:
+        raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
+    cu, cs = plan.cu, chunk_size
+    native = plan.native_first(has_states)
+    pads, rest = [0] * plan.S, [[] for _ in range(plan.S)]
+    pos, chunk_at = 0, {}  # position of the next sequence in the packed call (padded); (s, o) -> its chunk
+    for s in range(plan.S):
+        n = cu[s + 1] - cu[s]
+        for o in offsets[s]:
+            if not 0 < o <= n:
+                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
+        inner = [o for o in offsets[s] if o < n]
+        from_true_state = not (has_states and plan.init_flags[s]) or (native and s == plan.nonempty[0])
+        if inner and from_true_state and len({o % cs for o in inner}) == 1:
+            pads[s] = (-(pos + inner[0])) % cs if pads_ok else 0
+            if (pos + pads[s] + inner[0]) % cs == 0:
+                chunk_at.update({(s, o): (pos + pads[s] + o) // cs for o in inner})
+        pos += pads[s] + n
+    chunk, final, where = [], [], []
+    for s, offs in enumerate(offsets):
+        for o in offs:
+            if o == cu[s + 1] - cu[s]:
+                where.append(("final", len(final)))
+                final.append(s)
+            elif (s, o) in chunk_at:
+                where.append(("chunk", len(chunk)))
+                chunk.append(chunk_at[(s, o)])
+            else:
+                where.append(("rest", sum(map(len, rest))))
+                rest[s].append(o)
+    base = {"chunk": 0, "final": len(chunk), "rest": len(chunk) + len(final)}
+    order = [base[k] + i for k, i in where]
+    host = {"chunk": torch.tensor(chunk, dtype=torch.long), "final": torch.tensor(final, dtype=torch.long)}
+    if order != sorted(order):
+        host["order"] = torch.tensor(order, dtype=torch.long)
+    packing = _aligned_packing_host(host, plan, pads) if any(pads) else None
+    dev = _upload(host, plan.device)
+    if packing is not None:
+        cu_p, flags, Tp = packing
+        packing = AlignedPacking(
+            plan=build_plan(torch.tensor(cu_p), torch.tensor(flags), has_states, Tp, cs, (), plan.device),
+            src=dev["a_src"], pad=dev["a_pad"].bool(), real=dev["a_real"])
+    result = BoundaryPlan(packing=packing, chunk=dev["chunk"], final=dev["final"],
+                          rest=rest if any(rest) else None, order=dev.get("order"))
+    plan.boundary_plan_cache = (offsets, result)
+    return result
+
+
+def _aligned_packing_host(host: Dict[str, torch.Tensor], plan: VarlenPlan, pads: List[int]) -> tuple:
+    """The host arrays of ``AlignedPacking`` (added to host as "a_*") for ``pads`` padding tokens in front of
+    each sequence; returns the padded step's (bounds, flags, tokens)."""
+    cu = np.asarray(plan.cu, dtype=np.int64)
+    n, pad = np.diff(cu), np.asarray(pads, dtype=np.int64)
+    cu_p = np.concatenate([[0], np.cumsum(pad + n)])
+    Tp = int(cu_p[-1])
+    seq = np.repeat(np.arange(len(n)), pad + n)  # the sequence of each padded position
+    j = np.arange(Tp, dtype=np.int64) - cu_p[seq] - pad[seq]  # position within its sequence; < 0: padding
+    is_pad = j < 0
+    host.update({"a_src": torch.from_numpy(cu[seq] + np.maximum(j, 0)),
+                 "a_pad": torch.from_numpy(is_pad.astype(np.int64)),
+                 "a_real": torch.from_numpy(np.flatnonzero(~is_pad))})
+    return cu_p.tolist(), list(plan.init_flags), Tp
 
 
 def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[BoundaryRowsPlan]:

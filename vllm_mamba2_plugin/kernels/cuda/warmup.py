@@ -134,25 +134,33 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
 
 def boundary_layouts(chunk_size: int, tokens: int) -> list:
     """(sequence lengths, resumes-a-state flags, boundary offsets) of the prefix-caching steps ``warm_prefill`` also
-    runs when the engine caches prefixes: the calls that compute the states at block boundaries
-    (``ssd_prefill._boundary_states``), within the step budget ``tokens``. Covered: steps that start on block
-    boundaries, so that every offset is a multiple of the chunk -- what vLLM's "align" scheduling makes while the
-    block fits the budget (vLLM 0.32 may start a step inside a block when it does not; the offsets' own forwards
-    then compile at their first use). A lone sequence crossing boundaries runs once more over its tokens up to its
-    last boundary as one batch row without seq_idx, from zeros (fresh) or from its state (resumed): a length that
-    is a multiple of 16, chunk counts 1, other and 16k. Several such sequences are the padded rows of one call from
-    given initial states: 2 and 16 rows (Triton's classes), of chunk counts 1 and other (``varlen_plan`` keeps rows
-    calls below 16 chunks; longer sequences take the lone passes)."""
+    runs when the engine caches prefixes, within the step budget ``tokens``: the calls that give the states at
+    block boundaries (``ssd_prefill._boundary_states``). Covered: steps that start on block boundaries, so that
+    every offset is a multiple of the chunk -- what vLLM's "align" scheduling makes while the block fits the budget
+    (vLLM 0.32 may start a step inside a block when it does not; such calls then compile at their first use).
+
+    * Fresh prompts (and a continued prompt opening the step) take their boundary states from the packed call,
+      which pads a prompt in front so that its boundaries fall on chunk starts (``varlen_plan.AlignedPacking``):
+      the packed call over gathered tensors, its padded length Tp in Triton's classes (chunk count other or 16k) x
+      (Tp mod 16: 0 / 8 / 4 / 2 / 1), with the varlen final states, from zeros and with a first initial state.
+    * Resumed sequences that do not open the step run a second pass up to their last boundary: alone, as one batch
+      row without seq_idx from their state (a length that is a multiple of 16, chunk counts 1, other and 16k); two
+      or more as the padded rows of one call (2 and 16 rows, chunk counts 1 and other: ``varlen_plan`` keeps rows
+      calls below 16 chunks)."""
     cs, layouts = chunk_size, []
+    for chunks in (4, 16):
+        for residue in (0, 8, 4, 2, 1):
+            Tp = (chunks - 1) * cs + 16 + residue  # the second prompt moves by cs - 5, onto chunk 2
+            if Tp <= tokens:
+                layouts += [([cs + 5, Tp - 2 * cs], [first, False], [[cs], [cs]]) for first in (False, True)]
     for chunks in (1, 2, 16):
-        if chunks * cs + 16 <= tokens:
-            offsets = [[cs * k for k in range(1, chunks + 1)]]
-            layouts += [([chunks * cs + 16], [resumed], offsets) for resumed in (False, True)]
+        if chunks * cs + 17 <= tokens:  # a fresh token first: the resumed one is not the packed call's first
+            layouts.append(([1, chunks * cs + 16], [False, True], [[], [cs * k for k in range(1, chunks + 1)]]))
     for chunks in (1, 2):
         for n in (2, 16):
             lengths = [chunks * cs + 16] * n
             if sum(lengths) <= tokens:
-                layouts.append((lengths, [True] + [False] * (n - 1), [[cs * k for k in range(1, chunks + 1)]] * n))
+                layouts.append((lengths, [True] * n, [[cs * k for k in range(1, chunks + 1)]] * n))
     return layouts
 
 
