@@ -122,9 +122,9 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
 def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, profile_tokens, monkeypatch):
     """With prefix caching the warm-up also runs the boundary-state calls (``warmup.boundary_layouts``): the packed
     call moved onto chunk starts (gathered, padded length in Triton's classes, from zeros and with a first initial
-    state); a resumed sequence's second pass up to its last boundary, without seq_idx, from its state, at chunk
-    counts 1, 2 and (budget allowing) 16; and the padded rows of several resumed sequences (2 and 16 rows, budget
-    allowing). Every boundary state goes to its own slot; without prefix caching none of it runs."""
+    state); under the batched correction, a resumed sequence's second pass up to its last boundary, without
+    seq_idx, from its state, at chunk counts 1, 2 and (budget allowing) 16, and the padded rows of several resumed
+    sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching none of it runs."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
@@ -161,13 +161,13 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
             if Tp <= profile_tokens:
                 assert (1, Tp, False, False) in extra and (1, Tp, False, True) in extra  # the moved packed call
     for c in (1, 2, 16):
-        if c * cs + 17 <= profile_tokens:
-            assert (1, c * cs, True, True) in extra  # a resumed sequence's second pass
+        if c * cs + 19 <= profile_tokens:
+            assert (1, c * cs, True, True) in extra  # a resumed sequence's second pass (under the correction)
     for n in (2, 16):
         for c in (1, 2):
-            if n * (c * cs + 16) <= profile_tokens:
+            if n * (c * cs + 16) + n + 1 <= profile_tokens:
                 assert (n, c * cs, True, True) in extra  # padded rows from the sequences' states
-    assert (16, cs, True, True) in extra or profile_tokens < 16 * (cs + 16)
+    assert (16, cs, True, True) in extra or profile_tokens < 16 * (cs + 16) + 17
     layouts = warmup.boundary_layouts(cs, profile_tokens)
     assert all(o % cs == 0 and o <= n for lengths, _, offsets in layouts for n, offs in zip(lengths, offsets)
                for o in offs)

@@ -130,53 +130,69 @@ def ssd_chunk_scan(
     bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
                                                              initial_states is not None, fwd.pads_are_inert())
     if bp is not None and bp.packing is not None:  # the packed call with its sequences moved onto chunk starts
-        out, fin_k, packed = _scan(fwd.gathered(bp.packing), bp.packing.plan, initial_states, state_dtype)
+        out, fin_k, calls = _scan(fwd.gathered(bp.packing), bp.packing.plan, initial_states, state_dtype)
         out = out.index_select(0, bp.packing.real)
     else:
-        out, fin_k, packed = _scan(fwd, plan, initial_states, state_dtype)
+        out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
     if bp is None:
         return result
-    return (*result, _boundary_states(fwd, plan, bp, packed, result[1], initial_states, state_dtype, (H, P, N)))
+    return (*result, _boundary_states(fwd, plan, bp, calls, result[1], initial_states, state_dtype, (H, P, N)))
 
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
-    """Paths 1-6 of the module doc: (out (Tu, H, P) in x's dtype, final states (S', H, P, N) of the non-empty
-    sequences, in C's dtype or float32, the packed call's result tuple or None where there was none)."""
+    """Paths 1-6 of the module doc (``VarlenPlan.resume_path``): (out (Tu, H, P) in x's dtype, final states
+    (S', H, P, N) of the non-empty sequences, in C's dtype or float32, ``_Calls``: the result tuples of the calls
+    made, whose passed states give prefix caching's boundary states)."""
     has = initial_states is not None
-    native = plan.native_first(has)
-    rows = has and not native and plan.rows is not None and not plan.reruns_resumed() and fwd.pads_are_inert()
-    if rows and len(plan.resumed) == len(plan.nonempty):  # every sequence resumes: the rows call alone
-        return (*_resumed_rows(fwd, None, None, plan, initial_states), None)
+    path = plan.resume_path(has, fwd.pads_are_inert())
+    calls = _Calls()
+    if path == "rows" and len(plan.resumed) == len(plan.nonempty):  # every sequence resumes: the rows call alone
+        out, fin_k = _resumed_rows(fwd, None, None, plan, initial_states, calls)
+        return out, fin_k, calls
+    native = path == "native"
     out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
+    calls.packed = res
     if native:
-        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype), res
-    if plan.init is None or not has:
-        return out, fin_k, res
-    if plan.reruns_resumed():
-        return (*_rerun_resumed(fwd, out, fin_k, plan, initial_states), res)
-    if rows:
-        return (*_resumed_rows(fwd, out, fin_k, plan, initial_states), res)
+        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype), calls
+    if path == "none":
+        return out, fin_k, calls
+    if path == "rerun":
+        return (*_rerun_resumed(fwd, out, fin_k, plan, initial_states, calls), calls)
+    if path == "rows":
+        return (*_resumed_rows(fwd, out, fin_k, plan, initial_states, calls), calls)
     lo, hi = plan.cu[0], plan.cu[-1]
     H = fwd.x.shape[1]
     dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
     fin_k = fin_k.to(torch.float32)
     out = add_initial_state(out, fin_k, dt_ht, fwd.A, fwd.C[lo:hi], plan.init,
                             initial_states[plan.init.rows].to(torch.float32))
-    return out.to(fwd.x.dtype), fin_k, res
+    return out.to(fwd.x.dtype), fin_k, calls
 
 
-def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, packed, finals, initial_states,
+class _Calls:
+    """The result tuples (``_Forward``) of a scan's calls: the packed call, the resumed rows' call, each
+    resumed sequence's rerun (by sequence)."""
+
+    def __init__(self):
+        self.packed, self.rows, self.rerun = None, None, {}
+
+
+def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls: _Calls, finals, initial_states,
                      state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
-    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call's chunk states (``packed[4]``, in C's
-    dtype), the final states (finals: (S, H, P, N) in state_dtype) and a second pass for the rest. (M, H, P, N)
-    in state_dtype."""
+    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the passed states (``[4]``, in C's dtype) of the packed
+    call, the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in state_dtype) and a
+    second pass for the rest. (M, H, P, N) in state_dtype."""
+    H, P, N = hpn
     parts = []
-    if bp.chunk.numel():
-        if packed is None:
-            raise AssertionError("boundary states planned from a packed call that did not run")
-        parts.append(packed[4][0].index_select(0, bp.chunk).to(state_dtype))
+    for idx, res in ((bp.chunk, calls.packed), (bp.rows, calls.rows)):
+        if idx.numel():
+            if res is None:
+                raise AssertionError("boundary states planned from a call that did not run")
+            parts.append(res[4].reshape(-1, H, P, N).index_select(0, idx).to(state_dtype))
+    for s, idx in bp.rerun.items():
+        parts.append(calls.rerun[s][4][0].index_select(0, idx).to(state_dtype))
     if bp.final.numel():
         parts.append(finals.index_select(0, bp.final))
     if bp.rest is not None:
@@ -329,20 +345,20 @@ def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size:
     return fin_k
 
 
-def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
+def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
     """Path 4: each resumed sequence again alone, from its initial state (the kernel's native form); its rows of
     out and its final state are overwritten. Returns (out, float32 final states)."""
     fin_k = fin_k.to(torch.float32)
     lo = plan.cu[0]
     for s in plan.resumed:
         a, b = plan.cu[s], plan.cu[s + 1]
-        r = fwd(a, b, initial_states=initial_states[s: s + 1])
+        r = calls.rerun[s] = fwd(a, b, initial_states=initial_states[s: s + 1])
         out[a - lo: b - lo] = r[0][0]
         fin_k[plan.nonempty.index(s)] = r[5][0]  # float32 (ssd_state_passing.py:208)
     return out, fin_k
 
 
-def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
+def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
     """Path 5: the resumed sequences as the rows of one more call, each from its own initial state (the kernels'
     native form, one state per batch row), padded at the end to the longest (``ResumedRowsPlan``). A padding
     token's dt is set so that the kernel's processed step size is 0 (``_Forward.pad_dt``): exp(0 * A) = 1 and
@@ -350,7 +366,7 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states):
     and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
     None) and this call's results are the whole. Returns (out, float32 final states)."""
     rp = plan.rows
-    res = fwd.padded(rp.rows, initial_states.index_select(0, plan.init.rows))
+    res = calls.rows = fwd.padded(rp.rows, initial_states.index_select(0, plan.init.rows))
     y = res[0].reshape(rp.rows.I * rp.rows.L, *res[0].shape[2:]).index_select(0, rp.real)
     if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32
         return y, res[5]  # (ssd_state_passing.py:208)

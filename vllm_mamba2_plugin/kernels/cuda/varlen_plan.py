@@ -152,15 +152,21 @@ class BoundaryPlan:
     1. chunk: (Mc,) long: chunks of the packed call whose entering state is the state at an inner offset (one
        before the sequence's end) of a sequence the packed call computes from its true initial state (fresh, or
        the first sequence taking the kernel's own initial state), aligned by ``packing`` where needed;
-    2. final: (Mf,) long: sequences whose offset is their end: the final state, whatever path computed it;
-    3. rest: the other offsets (inner offsets of resumed sequences the packed call computes from zeros), per
+    2. rows: (Mr,) long: the same from the call of resumed rows (``ResumedRowsPlan``; a row starts at its
+       sequence's start), as rows of its states flattened to (I * chunks, ...), for inner offsets that are chunk
+       multiples;
+    3. rerun: {sequence: (chunks,) long}: the same from the rerun of each resumed sequence, in sequence order;
+    4. final: (Mf,) long: sequences whose offset is their end: the final state, whatever path computed it;
+    5. rest: the other offsets (inner offsets of resumed sequences under the correction, or inside a chunk), per
        sequence, for a second pass over those sequences (``boundary_rows`` or one forward each); None if none.
 
     packing: None when the packed call runs unpadded (no sequence needs to move, or none is served by it).
-    order: (M,) long: each offset's row in cat(chunk states, final states, rest's states); None: already in order."""
+    order: (M,) long: each offset's row in the concatenation of 1-5; None: already in order."""
 
     packing: Optional[AlignedPacking]
     chunk: torch.Tensor
+    rows: torch.Tensor
+    rerun: Dict[int, torch.Tensor]
     final: torch.Tensor
     rest: Optional[List[List[int]]]
     order: Optional[torch.Tensor]
@@ -206,6 +212,18 @@ class VarlenPlan:
         own initial state (per batch row, which with seq_idx reaches exactly the row's first sequence) serves
         it. has_states: the caller passed initial states at all."""
         return has_states and self.resumed == self.nonempty[:1] != []
+
+    def resume_path(self, has_states: bool, pads_ok: bool) -> str:
+        """How ``ssd_prefill`` computes the resumed sequences: "none" (no non-empty sequence resumes a state, or no
+        states given), "native" (``native_first``), "rerun" (each alone, ``reruns_resumed``), "rows" (as the rows
+        of one more call; pads_ok: padding tokens can be made inert) or "correction"."""
+        if self.native_first(has_states):
+            return "native"
+        if self.init is None or not has_states:
+            return "none"
+        if self.reruns_resumed():
+            return "rerun"
+        return "rows" if self.rows is not None and pads_ok else "correction"
 
     def reruns_resumed(self) -> bool:
         """Resumed sequences are rerun one by one (at most ``SEPARATE_RESUMED_MAX`` of them), else batched: as
@@ -414,36 +432,39 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
     cu, cs = plan.cu, chunk_size
-    native = plan.native_first(has_states)
-    pads, rest = [0] * plan.S, [[] for _ in range(plan.S)]
-    pos, chunk_at = 0, {}  # position of the next sequence in the packed call (padded); (s, o) -> its chunk
-    for s in range(plan.S):
-        n = cu[s + 1] - cu[s]
-        for o in offsets[s]:
-            if not 0 < o <= n:
-                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
-        inner = [o for o in offsets[s] if o < n]
-        from_true_state = not (has_states and plan.init_flags[s]) or (native and s == plan.nonempty[0])
-        if inner and from_true_state and len({o % cs for o in inner}) == 1:
-            pads[s] = (-(pos + inner[0])) % cs if pads_ok else 0
-            if (pos + pads[s] + inner[0]) % cs == 0:
-                chunk_at.update({(s, o): (pos + pads[s] + o) // cs for o in inner})
-        pos += pads[s] + n
-    chunk, final, where = [], [], []
+    path = plan.resume_path(has_states, pads_ok)
+    resumed = plan.resumed if path in ("rows", "rerun") else []
+    pads, packed = _packed_sources(plan, offsets, cs, has_states and path != "none", path == "native", pads_ok)
+    src = {"chunk": [], "rows": [], "final": [], "rest": []}
+    rerun, where = {}, []
+    rows_chunks = -(-plan.rows.rows.L // cs) if path == "rows" else 0
     for s, offs in enumerate(offsets):
         for o in offs:
             if o == cu[s + 1] - cu[s]:
-                where.append(("final", len(final)))
-                final.append(s)
-            elif (s, o) in chunk_at:
-                where.append(("chunk", len(chunk)))
-                chunk.append(chunk_at[(s, o)])
+                kind, ref = "final", s
+            elif (s, o) in packed:
+                kind, ref = "chunk", packed[(s, o)]
+            elif s in resumed and o % cs == 0 and path == "rows":
+                kind, ref = "rows", resumed.index(s) * rows_chunks + o // cs
+            elif s in resumed and o % cs == 0:
+                rerun.setdefault(s, []).append(o // cs)
+                where.append(("rerun", s, len(rerun[s]) - 1))
+                continue
             else:
-                where.append(("rest", sum(map(len, rest))))
-                rest[s].append(o)
-    base = {"chunk": 0, "final": len(chunk), "rest": len(chunk) + len(final)}
-    order = [base[k] + i for k, i in where]
-    host = {"chunk": torch.tensor(chunk, dtype=torch.long), "final": torch.tensor(final, dtype=torch.long)}
+                kind, ref = "rest", (s, o)
+            where.append((kind, None, len(src[kind])))
+            src[kind].append(ref)
+    rest = [[o for s2, o in src["rest"] if s2 == s] for s in range(plan.S)]
+    base, n = {}, 0
+    for kind in ("chunk", "rows"):
+        base[kind], n = n, n + len(src[kind])
+    for s in sorted(rerun):
+        base[("rerun", s)], n = n, n + len(rerun[s])
+    base["final"], n = n, n + len(src["final"])
+    base["rest"] = n  # a second pass returns its states in sequence order: the order src["rest"] was filled in
+    order = [base[(k, s) if k == "rerun" else k] + i for k, s, i in where]
+    host = {k: torch.tensor(src[k], dtype=torch.long) for k in ("chunk", "rows", "final")}
+    host.update({f"rerun{s}": torch.tensor(c, dtype=torch.long) for s, c in rerun.items()})
     if order != sorted(order):
         host["order"] = torch.tensor(order, dtype=torch.long)
     packing = _aligned_packing_host(host, plan, pads) if any(pads) else None
@@ -453,10 +474,32 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
         packing = AlignedPacking(
             plan=build_plan(torch.tensor(cu_p), torch.tensor(flags), has_states, Tp, cs, (), plan.device),
             src=dev["a_src"], pad=dev["a_pad"].bool(), real=dev["a_real"])
-    result = BoundaryPlan(packing=packing, chunk=dev["chunk"], final=dev["final"],
+    result = BoundaryPlan(packing=packing, chunk=dev["chunk"], rows=dev["rows"],
+                          rerun={s: dev[f"rerun{s}"] for s in sorted(rerun)}, final=dev["final"],
                           rest=rest if any(rest) else None, order=dev.get("order"))
     plan.boundary_plan_cache = (offsets, result)
     return result
+
+
+def _packed_sources(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native: bool, pads_ok: bool):
+    """The padding in front of each sequence, and {(s, o): chunk of the (padded) packed call entering which the
+    state is sequence s's after o tokens}, for the inner offsets of the sequences the packed call computes from
+    their true initial state (fresh ones; the first one when it takes the kernel's own initial state)."""
+    cu = plan.cu
+    pads, chunk_at, pos = [0] * plan.S, {}, 0
+    for s in range(plan.S):
+        n = cu[s + 1] - cu[s]
+        for o in offsets[s]:
+            if not 0 < o <= n:
+                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
+        inner = [o for o in offsets[s] if o < n]
+        true_state = not (any_resumed and plan.init_flags[s]) or (native and s == plan.nonempty[0])
+        if inner and true_state and len({o % cs for o in inner}) == 1:
+            pads[s] = (-(pos + inner[0])) % cs if pads_ok else 0
+            if (pos + pads[s] + inner[0]) % cs == 0:
+                chunk_at.update({(s, o): (pos + pads[s] + o) // cs for o in inner})
+        pos += pads[s] + n
+    return pads, chunk_at
 
 
 def _aligned_packing_host(host: Dict[str, torch.Tensor], plan: VarlenPlan, pads: List[int]) -> tuple:

@@ -143,24 +143,24 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
       which pads a prompt in front so that its boundaries fall on chunk starts (``varlen_plan.AlignedPacking``):
       the packed call over gathered tensors, its padded length Tp in Triton's classes (chunk count other or 16k) x
       (Tp mod 16: 0 / 8 / 4 / 2 / 1), with the varlen final states, from zeros and with a first initial state.
-    * Resumed sequences that do not open the step run a second pass up to their last boundary: alone, as one batch
-      row without seq_idx from their state (a length that is a multiple of 16, chunk counts 1, other and 16k); two
-      or more as the padded rows of one call (2 and 16 rows, chunk counts 1 and other: ``varlen_plan`` keeps rows
-      calls below 16 chunks)."""
+    * Resumed sequences rerun alone or as rows of one call give theirs from that call (no other kernels). Under
+      the batched correction (a long resumed sequence among 1-token ones pads too much for rows) they run a second
+      pass up to their last boundary: alone, as one batch row without seq_idx from their state (a length that is a
+      multiple of 16, chunk counts 1, other and 16k); two or more as the padded rows of one call (2 and 16 rows,
+      chunk counts 1 and other: ``varlen_plan`` keeps rows calls below 16 chunks)."""
     cs, layouts = chunk_size, []
     for chunks in (4, 16):
         for residue in (0, 8, 4, 2, 1):
             Tp = (chunks - 1) * cs + 16 + residue  # the second prompt moves by cs - 5, onto chunk 2
             if Tp <= tokens:
                 layouts += [([cs + 5, Tp - 2 * cs], [first, False], [[cs], [cs]]) for first in (False, True)]
-    for chunks in (1, 2, 16):
-        if chunks * cs + 17 <= tokens:  # a fresh token first: the resumed one is not the packed call's first
-            layouts.append(([1, chunks * cs + 16], [False, True], [[], [cs * k for k in range(1, chunks + 1)]]))
-    for chunks in (1, 2):
-        for n in (2, 16):
-            lengths = [chunks * cs + 16] * n
+    for n, chunk_counts in ((1, (1, 2, 16)), (2, (1, 2)), (16, (1, 2))):
+        for chunks in chunk_counts:
+            short = max(n + 1, varlen_plan.SEPARATE_RESUMED_MAX + 1 - n)  # 1-token ones: the correction
+            lengths = [chunks * cs + 16] * n + [1] * short
             if sum(lengths) <= tokens:
-                layouts.append((lengths, [True] * n, [[cs * k for k in range(1, chunks + 1)]] * n))
+                offsets = [[cs * k for k in range(1, chunks + 1)]] * n + [[]] * short
+                layouts.append((lengths, [True] * len(lengths), offsets))
     return layouts
 
 
