@@ -366,7 +366,8 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, c
     and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
     None) and this call's results are the whole. Returns (out, float32 final states)."""
     rp = plan.rows
-    res = calls.rows = fwd.padded(rp.rows, initial_states.index_select(0, plan.init.rows))
+    h0 = initial_states if plan.all_resume else initial_states.index_select(0, plan.init.rows)
+    res = calls.rows = fwd.padded(rp.rows, h0)
     y = res[0].reshape(rp.rows.I * rp.rows.L, *res[0].shape[2:]).index_select(0, rp.real)
     if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32
         return y, res[5]  # (ssd_state_passing.py:208)

@@ -188,6 +188,9 @@ class VarlenPlan:
     # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
     init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
+    # host: every sequence is non-empty and resumes (a step of cache hits): init.rows is 0..S-1, and the rows of
+    # initial_states need no gather
+    all_resume: bool = False
     rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
@@ -306,6 +309,7 @@ def build_plan(
         seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], final_chunks=dev.get("final_chunks"),
         device=device,
     )
+    plan.all_resume = S > 0 and len(init_pos) == S
     if init_pos:
         plan.init = InitCorrectionPlan(
             block=blk, tok_start=dev["i_tok_start"], start=dev["i_start"], end=dev["i_end"], pos=dev["i_pos"],
