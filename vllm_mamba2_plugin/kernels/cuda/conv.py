@@ -134,14 +134,19 @@ def _extended(x, weight, bias, plan: VarlenPlan, initial_states, has_initial_sta
     T, Dm = x.shape
     K, S = weight.shape[-1] - 1, plan.S
     cp = conv_plan(plan, K, extended=True)
-    # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe); only read below.
-    init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe; a step of cache hits has none); only read below.
+    if plan.all_resume and initial_states is not None:
+        init = initial_states.to(x.dtype)
+    else:
+        init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    # index_copy_ / index_select, not advanced indexing: the same kernels' work for less host time (prefill steps
+    # are host-bound: benchmarks/prefill_layer.py).
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=x.device)  # fresh, contiguous: 16-byte aligned rows
-    ext[cp.tok_row] = x
-    ext[cp.state_row] = init.reshape(S * K, Dm)
+    ext.index_copy_(0, cp.tok_row, x)
+    ext.index_copy_(0, cp.state_row, init.reshape(S * K, Dm))
     out = _conv_fwd(ext.t().unsqueeze(0), weight, bias, cp.seq_idx.unsqueeze(0), silu)
-    y = out[0].t()[cp.tok_row]  # (T, D); padding tokens are 0
-    return y, ext[cp.final_row].view(S, K, Dm)
+    y = out[0].t().index_select(0, cp.tok_row)  # (T, D); padding tokens are 0
+    return y, ext.index_select(0, cp.final_row).view(S, K, Dm)
 
 
 def _conv_fwd(xv: torch.Tensor, weight, bias, seq_idx: Optional[torch.Tensor], silu: bool,
