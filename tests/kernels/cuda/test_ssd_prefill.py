@@ -204,37 +204,42 @@ def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype
         assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
-def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
-    """boundary_offsets (prefix caching's block boundaries, per sequence): the states after those tokens, from one
-    forward per sequence with offsets (chunk multiples: the states entering its chunks; its last offset: the
-    row's final state), or a forward per offset that is not a chunk multiple. Against the reference's (itself
-    checked against the float64 recurrence, tests/kernels/test_reference.py), with the raw-dt call form; the
-    outputs and final states are unchanged by asking."""
-    c = case(kern, name)
-    cs = c.cs
-    lens = [3 * cs + 5, 7, 2 * cs, 1]
-    flags = [True, False, True, False]
-    # bf16: chunk multiples only; f32 also an offset inside a chunk (its own forward) and a sequence's last token
-    aligned, mixed = [[cs, 2 * cs, 3 * cs], [], [cs, 2 * cs], []], [[cs, cs + 3, 3 * cs + 5], [3], [cs, 2 * cs], []]
-    offsets = aligned if dtype == BF16 else mixed
-    x, _, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=8)
-    g = gen(9)
-    raw = rnd(g, sum(lens), c.H).to(kern.dev, dtype)
+def _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed, pad=0):
+    """The wrapper's outputs, final states and states at ``offsets`` against the reference's (itself checked
+    against the float64 recurrence, tests/kernels/test_reference.py), raw dt (softplus + dt_bias in the kernel),
+    garbage in unflagged slots, ``pad`` padding tokens after the last sequence."""
+    x, _, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=seed, pad=pad)
+    g = gen(seed + 1)
+    raw = rnd(g, x.shape[0], c.H).to(kern.dev, dtype)
     dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
-    h0 = garbage_states(gen(10), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    h0 = garbage_states(gen(seed + 2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, dt_bias=dt_bias,
                                           boundary_offsets=offsets)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev)
-    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
                                    boundary_offsets=offsets)
     t = tol(kern, "ssd", dtype)
     assert at.shape == at_r.shape == (sum(map(len, offsets)), c.H, c.P, c.N) and at.dtype == F32
-    assert_close(at, at_r, t, "boundary states")
+    if at.numel():
+        assert_close(at, at_r, t, f"boundary states of {lens}, resumed {flags}, offsets {offsets}")
     assert_close(y, y_r, t, "y")
     assert_close(fin, fin_r, t, "final states")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
+    """boundary_offsets (prefix caching's block boundaries, per sequence): the states after those tokens, from the
+    step's own calls (a fresh sequence's from the packed call, a resumed one's from its rerun or rows call, an
+    offset at a sequence's end its final state) or, under the correction or inside a chunk, a second pass.
+    Against the reference's; the outputs and final states are unchanged by asking."""
+    c = case(kern, name)
+    cs = c.cs
+    # bf16: chunk multiples only; f32 also offsets inside a chunk and a sequence's last token
+    aligned, mixed = [[cs, 2 * cs, 3 * cs], [], [cs, 2 * cs], []], [[cs, cs + 3, 3 * cs + 5], [3], [cs, 2 * cs], []]
+    _check_boundary_states(kern, c, [3 * cs + 5, 7, 2 * cs, 1], [True, False, True, False],
+                           aligned if dtype == BF16 else mixed, dtype, seed=8)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -316,26 +321,9 @@ def test_ssd_boundary_states_of_a_continued_prompt_come_from_the_packed_call(ker
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
     calls, real = [], ns.ssd_fwd
     monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
-    lens = [2 * cs + 5, cs + 4]
-    offsets = [[5, cs + 5, 2 * cs + 5], [cs]]
-    flags = [True, False]
-    x, _, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=17)
-    g = gen(18)
-    raw = rnd(g, sum(lens), c.H).to(kern.dev, dtype)
-    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
-    h0 = garbage_states(gen(19), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
-                                          boundary_offsets=offsets)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev)
-    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
-                                   boundary_offsets=offsets)
-    assert calls == [(1, sum(lens) + cs - 5)], calls  # one packed call, cs - 5 padding tokens in front
-    t = tol(kern, "ssd", dtype)
-    assert at.shape == at_r.shape == (4, c.H, c.P, c.N)
-    assert_close(at, at_r, t, "boundary states")
-    assert_close(y, y_r, t, "y")
-    assert_close(fin, fin_r, t, "final states")
+    _check_boundary_states(kern, c, [2 * cs + 5, cs + 4], [True, False], [[5, cs + 5, 2 * cs + 5], [cs]], dtype,
+                           seed=17)
+    assert calls == [(1, 3 * cs + 9 + cs - 5)], calls  # one packed call, cs - 5 padding tokens in front
 
 
 def _random_prefix_caching_step(rng, cs):
@@ -363,20 +351,4 @@ def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_p
 
     c = case(kern, "tiny-g2")
     lens, flags, offsets = _random_prefix_caching_step(random.Random(seed), c.cs)
-    x, _, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=20 + seed, pad=3)
-    g = gen(40 + seed)
-    raw = rnd(g, x.shape[0], c.H).to(kern.dev)
-    dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
-    h0 = garbage_states(gen(60 + seed), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, dt_bias=dt_bias,
-                                          boundary_offsets=offsets)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
-    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
-                                   boundary_offsets=offsets)
-    t = tol(kern, "ssd", F32)
-    assert at.shape == at_r.shape == (sum(map(len, offsets)), c.H, c.P, c.N)
-    if at.numel():
-        assert_close(at, at_r, t, f"boundary states of {lens}, resumed {flags}, offsets {offsets}")
-    assert_close(y, y_r, t, "y")
-    assert_close(fin, fin_r, t, "final states")
+    _check_boundary_states(kern, c, lens, flags, offsets, F32, seed=20 + 3 * seed, pad=3)
