@@ -428,47 +428,27 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
 def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, pads_ok: bool) -> BoundaryPlan:
     """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
     per plan. has_states: the scan gets initial states at all; pads_ok: padding tokens can be made inert
-    (``ssd_prefill._Forward.pads_are_inert``). A sequence the packed call computes from its true initial state
-    gets ``(-(position + o)) % chunk_size`` padding tokens in front of it, o its first inner offset (its inner
-    offsets are block boundaries, one or more blocks apart: they agree modulo the chunk)."""
+    (``ssd_prefill._Forward.pads_are_inert``)."""
     if plan.boundary_plan_cache is not None and plan.boundary_plan_cache[0] is offsets:
         return plan.boundary_plan_cache[1]
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
-    cu, cs = plan.cu, chunk_size
     path = plan.resume_path(has_states, pads_ok)
-    resumed = plan.resumed if path in ("rows", "rerun") else []
-    pads, packed = _packed_sources(plan, offsets, cs, has_states and path != "none", path == "native", pads_ok)
-    src = {"chunk": [], "rows": [], "final": [], "rest": []}
-    rerun, where = {}, []
-    rows_chunks = -(-plan.rows.rows.L // cs) if path == "rows" else 0
+    pads, packed = _packed_sources(plan, offsets, chunk_size, has_states and path != "none", path == "native",
+                                   pads_ok)
+    picks: Dict[object, list] = {}  # source -> what to take from it; a rerun's source is ("rerun", sequence)
+    where = []  # per offset: (source, position among the source's picks)
     for s, offs in enumerate(offsets):
         for o in offs:
-            if o == cu[s + 1] - cu[s]:
-                kind, ref = "final", s
-            elif (s, o) in packed:
-                kind, ref = "chunk", packed[(s, o)]
-            elif s in resumed and o % cs == 0 and path == "rows":
-                kind, ref = "rows", resumed.index(s) * rows_chunks + o // cs
-            elif s in resumed and o % cs == 0:
-                rerun.setdefault(s, []).append(o // cs)
-                where.append(("rerun", s, len(rerun[s]) - 1))
-                continue
-            else:
-                kind, ref = "rest", (s, o)
-            where.append((kind, None, len(src[kind])))
-            src[kind].append(ref)
-    rest = [[o for s2, o in src["rest"] if s2 == s] for s in range(plan.S)]
-    base, n = {}, 0
-    for kind in ("chunk", "rows"):
-        base[kind], n = n, n + len(src[kind])
-    for s in sorted(rerun):
-        base[("rerun", s)], n = n, n + len(rerun[s])
-    base["final"], n = n, n + len(src["final"])
-    base["rest"] = n  # a second pass returns its states in sequence order: the order src["rest"] was filled in
-    order = [base[(k, s) if k == "rerun" else k] + i for k, s, i in where]
-    host = {k: torch.tensor(src[k], dtype=torch.long) for k in ("chunk", "rows", "final")}
-    host.update({f"rerun{s}": torch.tensor(c, dtype=torch.long) for s, c in rerun.items()})
+            key, pick = _source_of(plan, s, o, chunk_size, path, packed)
+            where.append((key, len(picks.setdefault(key, []))))
+            picks[key].append(pick)
+    reruns = sorted(k for k in picks if isinstance(k, tuple))
+    keys = [k for k in ("chunk", "rows", *reruns, "final", "rest") if k in picks]
+    base = dict(zip(keys, np.cumsum([0] + [len(picks[k]) for k in keys]).tolist()))
+    order = [base[k] + i for k, i in where]  # the rest come back from a second pass in sequence order, as picked
+    host = {k: torch.tensor(picks.get(k, []), dtype=torch.long) for k in ("chunk", "rows", "final")}
+    host.update({f"rerun{k[1]}": torch.tensor(picks[k], dtype=torch.long) for k in reruns})
     if order != sorted(order):
         host["order"] = torch.tensor(order, dtype=torch.long)
     packing = _aligned_packing_host(host, plan, pads) if any(pads) else None
@@ -476,19 +456,39 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     if packing is not None:
         cu_p, flags, Tp = packing
         packing = AlignedPacking(
-            plan=build_plan(torch.tensor(cu_p), torch.tensor(flags), has_states, Tp, cs, (), plan.device),
+            plan=build_plan(torch.tensor(cu_p), torch.tensor(flags), has_states, Tp, chunk_size, (), plan.device),
             src=dev["a_src"], pad=dev["a_pad"].bool(), real=dev["a_real"])
+    rest = [[o for s2, o in picks.get("rest", []) if s2 == s] for s in range(plan.S)]
     result = BoundaryPlan(packing=packing, chunk=dev["chunk"], rows=dev["rows"],
-                          rerun={s: dev[f"rerun{s}"] for s in sorted(rerun)}, final=dev["final"],
+                          rerun={k[1]: dev[f"rerun{k[1]}"] for k in reruns}, final=dev["final"],
                           rest=rest if any(rest) else None, order=dev.get("order"))
     plan.boundary_plan_cache = (offsets, result)
     return result
 
 
+def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, path: str, packed: dict) -> tuple:
+    """(source, what to take from it) for the state after o tokens of sequence s: its final state; a passed state
+    of the packed call (``_packed_sources``); of the call that computes a resumed sequence from its own start (a
+    row of the resumed rows' call, flattened to (rows * chunks), or its rerun), at a chunk multiple; else the
+    second pass's."""
+    if o == plan.cu[s + 1] - plan.cu[s]:
+        return "final", s
+    if (s, o) in packed:
+        return "chunk", packed[(s, o)]
+    if path in ("rows", "rerun") and plan.init_flags[s] and o % cs == 0:
+        if path == "rerun":
+            return ("rerun", s), o // cs
+        row = plan.resumed.index(s)  # the rows call's rows are the resumed sequences, in order
+        return "rows", row * -(-plan.rows.rows.L // cs) + o // cs
+    return "rest", (s, o)
+
+
 def _packed_sources(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native: bool, pads_ok: bool):
     """The padding in front of each sequence, and {(s, o): chunk of the (padded) packed call entering which the
-    state is sequence s's after o tokens}, for the inner offsets of the sequences the packed call computes from
-    their true initial state (fresh ones; the first one when it takes the kernel's own initial state)."""
+    state is sequence s's after o tokens}, for the inner offsets (before its end) of the sequences the packed call
+    computes from their true initial state (fresh ones; the first one when it takes the kernel's own initial
+    state). Such a sequence gets (-(position + o)) % cs padding tokens in front of it, o its first inner offset:
+    its inner offsets are block boundaries, one or more blocks apart, so they agree modulo the chunk."""
     cu = plan.cu
     pads, chunk_at, pos = [0] * plan.S, {}, 0
     for s in range(plan.S):
