@@ -15,6 +15,7 @@ S' = the non-empty sequences.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -205,9 +206,9 @@ class VarlenPlan:
     def S(self) -> int:
         return len(self.cu) - 1
 
-    @property
+    @functools.cached_property
     def resumed(self) -> List[int]:
-        """The non-empty sequences that start from a saved state (host)."""
+        """The non-empty sequences that start from a saved state (host; asked several times in every layer)."""
         return [s for s in self.nonempty if self.init_flags[s]]
 
     def native_first(self, has_states: bool) -> bool:
