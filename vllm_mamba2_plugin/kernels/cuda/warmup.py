@@ -135,9 +135,10 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
 def boundary_layouts(chunk_size: int, tokens: int) -> list:
     """(sequence lengths, resumes-a-state flags, boundary offsets) of the prefix-caching steps ``warm_prefill`` also
     runs when the engine caches prefixes, within the step budget ``tokens``: the calls that give the states at
-    block boundaries (``ssd_prefill._boundary_states``). Covered: steps that start on block boundaries, so that
-    every offset is a multiple of the chunk -- what vLLM's "align" scheduling makes while the block fits the budget
-    (vLLM 0.32 may start a step inside a block when it does not; such calls then compile at their first use).
+    block boundaries (``ssd_prefill._boundary_states``). vLLM's "align" scheduling starts a step on a block
+    boundary while the block fits the budget; vLLM 0.32 may start one inside a block when it does not. The packed
+    call serves both alike; a second pass up to an offset inside a chunk (a resumed sequence under the
+    correction) compiles at its first use.
 
     * Fresh prompts (and a continued prompt opening the step) take their boundary states from the packed call,
       which pads a prompt in front so that its boundaries fall on chunk starts (``varlen_plan.AlignedPacking``):
