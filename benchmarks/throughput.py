@@ -154,6 +154,25 @@ def bytes_per_step(name: str, batch: int, state_bytes: tuple[int, int]) -> tuple
     return weights, state
 
 
+def decode_bytes_by_kernel(name: str, batch: int, state_bytes: tuple[int, int], act_bytes: int = 2) -> dict:
+    """The bytes one decode step of ``batch`` requests must move, by kernel family (``trace_steps.FAMILIES``): each
+    request's conv and SSM state read and written, the step's activations in and out of those kernels, every
+    weight read once by the GEMMs. conv state: (W-1, conv_dim) per layer; SSM state (H, P, N)."""
+    c = MODELS[name]
+    d, L, H, P, G, N = (c[k] for k in ("hidden_size", "num_hidden_layers", "num_heads", "head_dim", "n_groups",
+                                         "state_size"))
+    d_inner, W = H * P, 4
+    conv_dim = d_inner + 2 * G * N
+    conv_b, ssm_b = state_bytes
+    proj = d * (2 * d_inner + 2 * G * N + H) + d_inner * d  # in_proj + out_proj
+    return {
+        "state update": L * batch * (2 * H * P * N * ssm_b + (2 * d_inner + 2 * G * N + H) * act_bytes),
+        "conv update": L * batch * (2 * (W - 1) * conv_dim * conv_b + 2 * conv_dim * act_bytes),
+        "gated norm": L * batch * 3 * d_inner * act_bytes,
+        "GEMM": 2 * (L * proj + c["vocab_size"] * d),
+    }
+
+
 class StepTimeline:
     """Per-step times of one engine, seen from the front end: for each EngineCoreOutputs that arrives, the
     engine core's own timestamp (``EngineCoreOutputs.timestamp``, time.monotonic() in the engine-core process

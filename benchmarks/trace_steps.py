@@ -14,6 +14,13 @@ for each class the script prints, averaged over its steps:
 plus the top kernels (device µs per step) and the top CPU ops by self time (µs per step) of that class.
 Kernel names are shortened; decode steps of different batch sizes are kept apart by their request count, and
 prefill steps by their prompt count.
+
+With ``--model NAME`` (a shape of benchmarks/throughput.py) decode steps also get the achieved bandwidth of each
+kernel family (``FAMILIES``): the bytes a step of that batch must move through it
+(``throughput.decode_bytes_by_kernel``: states read and written, weights read once) over its device time per step.
+``--state-bytes 2,2`` gives the conv and SSM state element sizes (bf16; ``2,4`` for fp32 SSM states).
+
+    python benchmarks/trace_steps.py out/profile-3072-48-p128-g4-n128-plugin-graph --model 3072-48-p128-g4-n128
 """
 
 import argparse
@@ -26,6 +33,15 @@ import os
 import re
 
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+# Kernel families of a decode step, by kernel name: mamba-ssm's state update (plugin and in-tree's copy), the conv
+# update (causal-conv1d's CUDA kernel, vLLM's Triton one), mamba-ssm's gated norm (in-tree's is Inductor-fused:
+# "other"), cuBLAS / CUTLASS GEMMs.
+FAMILIES = [
+    ("state update", re.compile(r"selective_scan_update|selective_state_update")),
+    ("conv update", re.compile(r"causal_conv1d_update")),
+    ("gated norm", re.compile(r"_layer_norm_fwd_1pass_kernel")),
+    ("GEMM", re.compile(r"gemm|nvjet|xmma|cutlass|splitKreduce", re.IGNORECASE)),
+]
 
 
 def load(path: str) -> list:
@@ -64,7 +80,27 @@ def self_times(ops: list) -> dict:
     return out
 
 
-def analyse(events: list, top: int) -> str:
+def family_of(kernel: str) -> str:
+    return next((name for name, rx in FAMILIES if rx.search(kernel)), "other")
+
+
+def bandwidth_lines(kernel_us: dict, n_steps: int, step_bytes: dict) -> list:
+    """Per family: device µs per step, the bytes a step moves through it, GB/s achieved; kernel_us: summed device
+    µs per kernel name over n_steps steps."""
+    per = collections.Counter()
+    for kernel, us in kernel_us.items():
+        per[family_of(kernel)] += us / n_steps
+    lines = ["   by kernel family (µs per step, bytes per step, achieved GB/s):"]
+    for fam in [f for f, _ in FAMILIES] + ["other"]:
+        us, b = per.get(fam, 0.0), step_bytes.get(fam)
+        rate = f"{b / us / 1e3:8.0f}" if b and us else "       -"
+        size = f"{b / 1e6:10.1f} MB" if b else "           -"
+        lines.append(f"     {fam:13s} {us:9.1f} µs {size} {rate} GB/s")
+    return lines
+
+
+def analyse(events: list, top: int, step_bytes=None) -> str:
+    """step_bytes: None, or a function of the decode batch giving {family: bytes per step}."""
     steps = []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "user_annotation":
@@ -124,13 +160,17 @@ def analyse(events: list, top: int) -> str:
                      f"span {(sum(spans) / len(spans)) if spans else float('nan'):.0f} µs")
         kt = collections.Counter()
         kc = collections.Counter()
+        full = collections.Counter()  # by full name: a family is matched on the whole name
         for i in idx:
             for k in per_step_k[i]:
                 kt[short(k["name"])] += k["dur"]
                 kc[short(k["name"])] += 1
+                full[k["name"]] += k["dur"]
         lines.append(f"   top kernels (µs per step, launches per step):")
         for name, t in kt.most_common(top):
             lines.append(f"     {t / n:9.1f}  {kc[name] / n:6.1f}  {name}")
+        if step_bytes is not None and key.startswith("decode b"):
+            lines += bandwidth_lines(full, n, step_bytes(int(key[len("decode b"):])))
         st = collections.Counter()
         for i in idx:
             st.update(self_times(per_step_ops[i]))
@@ -144,10 +184,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", help="trace files or profile directories")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--model", default=None, help="a shape of benchmarks/throughput.py: decode bandwidth by family")
+    ap.add_argument("--state-bytes", default="2,2", help="conv, SSM state element sizes in bytes")
     args = ap.parse_args()
+    step_bytes = None
+    if args.model:
+        from throughput import decode_bytes_by_kernel
+
+        sizes = tuple(int(v) for v in args.state_bytes.split(","))
+        step_bytes = lambda batch: decode_bytes_by_kernel(args.model, batch, sizes)  # noqa: E731
     for t in args.traces:
         print(f"##### {t}")
-        print(analyse(load(t), args.top))
+        print(analyse(load(t), args.top, step_bytes))
 
 
 if __name__ == "__main__":
