@@ -136,6 +136,8 @@ def _extended(x, weight, bias, plan: VarlenPlan, initial_states, has_initial_sta
     cp = conv_plan(plan, K, extended=True)
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe; a step of cache hits has none); only read below.
     if plan.all_resume and initial_states is not None:
+        if tuple(initial_states.shape) != (S, K, Dm):
+            raise ValueError(f"initial_states has shape {tuple(initial_states.shape)}, expected {(S, K, Dm)}")
         init = initial_states.to(x.dtype)
     else:
         init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)

@@ -195,8 +195,8 @@ class VarlenPlan:
     rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
-    # boundary_plan's and boundary_rows' results for the step's boundary offsets (the same list object for every
-    # layer): (offsets, plan)
+    # boundary_plan's result for the step's boundary offsets (the same list object for every layer): (offsets,
+    # (has_states, pads_ok, chunk_size), plan); boundary_rows' likewise: (offsets, plan)
     boundary_plan_cache: Optional[tuple] = None
     boundary_cache: Optional[tuple] = None
     # conv_boundary_rows' result, likewise: (offsets, K, ConvBoundaryRows)
@@ -430,8 +430,10 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
     per plan. has_states: the scan gets initial states at all; pads_ok: padding tokens can be made inert
     (``ssd_prefill._Forward.pads_are_inert``)."""
-    if plan.boundary_plan_cache is not None and plan.boundary_plan_cache[0] is offsets:
-        return plan.boundary_plan_cache[1]
+    key = (has_states, pads_ok, chunk_size)
+    cache = plan.boundary_plan_cache
+    if cache is not None and cache[0] is offsets and cache[1] == key:
+        return cache[2]
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
     path = plan.resume_path(has_states, pads_ok)
@@ -463,7 +465,7 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     result = BoundaryPlan(packing=packing, chunk=dev["chunk"], rows=dev["rows"],
                           rerun={k[1]: dev[f"rerun{k[1]}"] for k in reruns}, final=dev["final"],
                           rest=rest if any(rest) else None, order=dev.get("order"))
-    plan.boundary_plan_cache = (offsets, result)
+    plan.boundary_plan_cache = (offsets, key, result)
     return result
 
 
