@@ -110,7 +110,8 @@ def ssd_chunk_scan(
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
     kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
     boundary_offsets: prefix caching's block boundaries (contract: reference); then also the (M, H, P, N) states
-    there, in state_dtype (``_boundary_states``).
+    there, in state_dtype (``_boundary_states``), mostly read off the step's own calls: the packed call may then
+    run over a padded copy of the step (``varlen_plan.AlignedPacking``), its outputs gathered back.
     """
     T, H, P = x.shape
     N = B.shape[-1]
@@ -211,11 +212,11 @@ def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_off
     initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
     o tokens, o a multiple of the chunk, is the state entering chunk o / chunk (``states``, after state passing,
     in C's dtype), and after the last offset the row's final state (float32). Two or more such sequences go as
-    the rows of ONE call (``varlen_plan.boundary_rows``: a fresh prompt's first step with prefix caching on
-    crosses boundaries in every sequence of ``chunk`` tokens or more); otherwise, or when the padding would be
-    too large, one forward per sequence. An offset that is not a multiple of the chunk (a step that began
-    inside a chunk) takes a forward of its own, ending there. Prefix caching's prefill steps start on block
-    boundaries, which are chunk multiples."""
+    the rows of ONE call (``varlen_plan.boundary_rows``); otherwise, or when the padding would be too large, one
+    forward per sequence. An offset that is not a multiple of the chunk (a step that began inside a chunk) takes
+    a forward of its own, ending there. Only what the step's own calls do not give comes here
+    (``varlen_plan.BoundaryPlan``): inner boundaries of resumed sequences under the correction, or inside a
+    chunk."""
     rows = boundary_rows(plan, boundary_offsets, fwd.chunk_size) if fwd.pads_are_inert() else None
     if rows is not None:
         return _boundary_rows(fwd, rows, initial_states, state_dtype, hpn)
