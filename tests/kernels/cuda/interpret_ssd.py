@@ -1,0 +1,35 @@
+"""pytest plugin for scripts/interpret-ssd-tests.sh: the "fake" backend's SSD forward is mamba-ssm's real
+``_mamba_chunk_scan_combined_fwd``, its Triton kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1,
+set before mamba-ssm is imported). The other upstream kernels stay plain-torch stand-ins."""
+
+import contextlib
+
+import torch
+
+import fakes
+
+# mamba-ssm enters each call's CUDA device (ssd_combined.py: `with torch.cuda.device(x.device.index)`); the
+# interpreter needs none.
+torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
+
+from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd  # noqa: E402
+
+
+
+def _ssd_fwd(x, dt, A, B, C, chunk_size, **kw):
+    """The real forward. The interpreter computes through numpy, which has no bfloat16: 16-bit inputs go in as
+    float32 (the kernels load them and compute in float32 anyway), and the outputs come back in the dtypes the
+    kernels give them (out in x's, passed states in C's; dt, dA_cumsum and final states stay float32)."""
+    low = {t.dtype for t in (x, dt, B, C)} - {torch.float32}
+    if not low:
+        return _mamba_chunk_scan_combined_fwd(x, dt, A, B, C, chunk_size, **kw)
+    kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+    res = list(_mamba_chunk_scan_combined_fwd(x.float(), dt.float(), A, B.float(), C.float(), chunk_size, **kw))
+    res[0] = res[0].to(x.dtype)
+    res[4] = res[4].to(C.dtype)
+    if len(res) > 6:  # varlen states, in C's dtype
+        res[6] = res[6].to(C.dtype)
+    return tuple(res)
+
+
+fakes.FAKE_KERNELS.ssd_fwd = _ssd_fwd
