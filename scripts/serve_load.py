@@ -369,8 +369,8 @@ def main(argv=None) -> int:
     # by SIGTERM (a `timeout`, a CI cancel) must stop it itself: Python's default SIGTERM action skips `finally`.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     server = Server(args.model, server_args, args.log, dict(e.split("=", 1) for e in args.env))
-    print(f"server: pid {server.proc.pid}, log {args.log}", file=sys.stderr, flush=True)
-    try:
+    try:  # the pid line inside: a SIGTERM right after it (a caller that waits for it) still stops the server
+        print(f"server: pid {server.proc.pid}, log {args.log}", file=sys.stderr, flush=True)
         serve_and_check(args, server, server_args, cfg, bases, reqs, probe, answers, report)
     finally:
         server.stop()
