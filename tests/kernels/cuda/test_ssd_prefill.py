@@ -352,3 +352,18 @@ def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_p
     c = case(kern, "tiny-g2")
     lens, flags, offsets = _random_prefix_caching_step(random.Random(seed), c.cs)
     _check_boundary_states(kern, c, lens, flags, offsets, F32, seed=20 + 3 * seed, pad=3)
+
+
+def test_boundary_plan_is_built_once_per_step():
+    """Every layer of a step asks for the boundary plan with the same offsets list: the second ask returns the
+    first plan (it uploads index tensors and may build a padded plan); other flags build another."""
+    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
+
+    cs, lens = 16, [2 * 16 + 5, 16 + 4, 3]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    plan = varlen_plan.build_plan(cu, torch.tensor([True, False, False]), True, sum(lens), cs)
+    offsets = [[5, cs + 5], [cs], []]
+    first = varlen_plan.boundary_plan(plan, offsets, cs, True, True)
+    assert first.packing is not None  # the fresh prompt moves onto a chunk start
+    assert varlen_plan.boundary_plan(plan, offsets, cs, True, True) is first
+    assert varlen_plan.boundary_plan(plan, offsets, cs, False, True) is not first

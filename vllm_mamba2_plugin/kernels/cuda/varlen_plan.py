@@ -443,9 +443,9 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     where = []  # per offset: (source, position among the source's picks)
     for s, offs in enumerate(offsets):
         for o in offs:
-            key, pick = _source_of(plan, s, o, chunk_size, path, packed)
-            where.append((key, len(picks.setdefault(key, []))))
-            picks[key].append(pick)
+            source, pick = _source_of(plan, s, o, chunk_size, path, packed)
+            where.append((source, len(picks.setdefault(source, []))))
+            picks[source].append(pick)
     reruns = sorted(k for k in picks if isinstance(k, tuple))
     keys = [k for k in ("chunk", "rows", *reruns, "final", "rest") if k in picks]
     base = dict(zip(keys, np.cumsum([0] + [len(picks[k]) for k in keys]).tolist()))
