@@ -105,16 +105,15 @@ def _select_initial(
     vLLM never zeroes a state slot on allocation, so a fresh request's slot may hold anything, NaN included.
     torch.where (not a multiply by 0/1) keeps such garbage out: NaN * 0 is still NaN.
     """
-    zeros = torch.zeros(shape, dtype=dtype, device=device)
     if initial_states is None:
-        return zeros
+        return torch.zeros(shape, dtype=dtype, device=device)
     init = initial_states.to(dtype)
     if tuple(init.shape) != tuple(shape):
         raise ValueError(f"initial_states has shape {tuple(init.shape)}, expected {tuple(shape)}")
     if has_initial_state is None:
         return init
     keep = has_initial_state.to(device=device, dtype=torch.bool).view(-1, *([1] * (len(shape) - 1)))
-    return torch.where(keep, init, zeros)
+    return torch.where(keep, init, torch.zeros(shape, dtype=dtype, device=device))
 
 
 def _groups(H: int, G: int) -> int:

@@ -134,13 +134,10 @@ def _extended(x, weight, bias, plan: VarlenPlan, initial_states, has_initial_sta
     T, Dm = x.shape
     K, S = weight.shape[-1] - 1, plan.S
     cp = conv_plan(plan, K, extended=True)
-    # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe; a step of cache hits has none); only read below.
-    if plan.all_resume and initial_states is not None:
-        if tuple(initial_states.shape) != (S, K, Dm):
-            raise ValueError(f"initial_states has shape {tuple(initial_states.shape)}, expected {(S, K, Dm)}")
-        init = initial_states.to(x.dtype)
-    else:
-        init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe; a step of cache hits has none to mask); only
+    # read below.
+    flags = None if plan.all_resume else has_initial_state
+    init = _select_initial(initial_states, flags, (S, K, Dm), x.dtype, x.device)
     # index_copy_ / index_select, not advanced indexing: the same kernels' work for less host time (prefill steps
     # are host-bound: benchmarks/prefill_layer.py).
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=x.device)  # fresh, contiguous: 16-byte aligned rows

@@ -56,7 +56,6 @@ from .. import reference
 from ..reference import _select_initial, row_range
 from . import upstream
 from .varlen_plan import (
-    AlignedPacking,
     BoundaryPlan,
     BoundaryRowsPlan,
     InitCorrectionPlan,
@@ -131,7 +130,8 @@ def ssd_chunk_scan(
     bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
                                                              initial_states is not None, fwd.pads_are_inert())
     if bp is not None and bp.packing is not None:  # the packed call with its sequences moved onto chunk starts
-        out, fin_k, calls = _scan(fwd.gathered(bp.packing), bp.packing.plan, initial_states, state_dtype)
+        padded = fwd.gathered(bp.packing.src, bp.packing.pad)
+        out, fin_k, calls = _scan(padded, bp.packing.plan, initial_states, state_dtype)
         out = out.index_select(0, bp.packing.real)
     else:
         out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
@@ -275,28 +275,27 @@ class _Forward:
         in the kernel's float32 arithmetic for a bf16 input), then clamped to [0, ...]; processed: 0."""
         return -1e4 if self.raw else 0.0
 
-    def gathered(self, packing: AlignedPacking) -> "_Forward":
-        """The same forward over the padded tokens of ``packing`` (its plan's coordinates); a padding token gets
-        ``pad_dt``. Needs ``pads_are_inert``."""
+    def gathered(self, src: torch.Tensor, pad: torch.Tensor) -> "_Forward":
+        """The same forward over the tokens ``src`` (long) of this one, in that order; where ``pad`` (bool) is set
+        the token is padding and gets ``pad_dt``. Needs ``pads_are_inert``."""
 
         def gather(t):
-            return t.index_select(0, packing.src)
+            return t.index_select(0, src)
 
-        dt = gather(self.dt).masked_fill_(packing.pad[:, None], self.pad_dt())
+        dt = gather(self.dt).masked_fill_(pad[:, None], self.pad_dt())
         return _Forward(gather(self.x), dt, self.A, gather(self.B), gather(self.C), self.chunk_size, self.D,
                         self.dt_bias, self.dt_limit)
 
     def padded(self, rows: PaddedRows, initial_states: torch.Tensor):
         """The forward over padded rows (``varlen_plan.PaddedRows``), each from its row of initial_states; a
         padding token gets ``pad_dt``. Needs ``pads_are_inert``."""
+        g = self.gathered(rows.src, rows.pad)
 
-        def gather(t):
-            return t.index_select(0, rows.src).view(rows.I, rows.L, *t.shape[1:])
+        def row(t):
+            return t.view(rows.I, rows.L, *t.shape[1:])
 
-        dt = self.dt.index_select(0, rows.src).masked_fill_(rows.pad[:, None], self.pad_dt())
-        return upstream.kernels().ssd_fwd(gather(self.x), dt.view(rows.I, rows.L, -1), self.A, gather(self.B),
-                                          gather(self.C), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                                          dt_softplus=self.raw, dt_limit=self.dt_limit,
+        return upstream.kernels().ssd_fwd(row(g.x), row(g.dt), self.A, row(g.B), row(g.C), self.chunk_size, D=self.D,
+                                          dt_bias=self.dt_bias, dt_softplus=self.raw, dt_limit=self.dt_limit,
                                           initial_states=initial_states)
 
     def __call__(self, a: int, b: int, **kw):
