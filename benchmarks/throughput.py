@@ -21,9 +21,9 @@ Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decod
 
 The decode grid runs with MAMBA_DETERMINISTIC=1 (recorded per row as ``mamba_deterministic``): mamba-ssm then
 uses one fixed config for each SSD prefill kernel instead of autotuning it at start-up (for a shape without
-carried tunings, much of the plugin's start-up). No kernel of a decode step depends on it (the state update, the gated norm and the conv update
-are not autotuned), so the engine's decode step is unchanged; the mixed prefill steps are not what the grid
-measures.
+carried tunings, much of the plugin's start-up). No kernel of a decode step depends on it (the state update,
+the gated norm and the conv update are not autotuned), so the engine's decode step is unchanged; the mixed
+prefill steps are not what the grid measures.
 
 Every cell first runs its exact workload once, untimed (prompt + a few new tokens, or the whole prefill cell):
 Triton compiles a kernel per new integer specialisation (batch sizes, token counts), and a compile inside the

@@ -15,7 +15,6 @@ torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
 from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd  # noqa: E402
 
 
-
 def _ssd_fwd(x, dt, A, B, C, chunk_size, **kw):
     """The real forward. The interpreter computes through numpy, which has no bfloat16: 16-bit inputs go in as
     float32 (the kernels load them and compute in float32 anyway), and the outputs come back in the dtypes the

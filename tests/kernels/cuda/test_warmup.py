@@ -124,7 +124,8 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
     call moved onto chunk starts (gathered, padded length in Triton's classes, from zeros and with a first initial
     state); under the batched correction, a resumed sequence's second pass up to its last boundary, without
     seq_idx, from its state, at chunk counts 1, 2 and (budget allowing) 16, and the padded rows of several resumed
-    sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching none of it runs."""
+    sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching
+    none of it runs."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     H, P, G, N, W, cs = 4, 8, 2, 16, 4, 32
