@@ -8,12 +8,12 @@ in-tree runs with VLLM_PLUGINS=""). Models: random weights in the shapes of benc
 a random system prompt of --system tokens; one request with it first (it fills the cache), then --requests
 requests, each the system prompt and a unique suffix of --suffix-min..--suffix-max tokens, submitted at once,
 greedy, --new tokens each (``--workload misses``: prompts of the same lengths sharing nothing, to measure what
-caching costs when nothing hits). Reported per worker, over the batch: wall time, output and total tok/s, mean time to
-first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits), the tokens each request
-took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's numerator, independent of
-the stats path) against the ideal (per request the system prompt rounded down to a block), and the memory the
-cached states take (blocks holding a hash x bytes per block). Every engine captures CUDA graphs for the same
---capture-sizes.
+caching costs when nothing hits). Reported per worker, over the batch: wall time, output and total tok/s, mean time
+to first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits) and preemptions, the
+tokens each request took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's
+numerator, independent of the stats path) against the ideal (per request the system prompt rounded down to a
+block), and the memory the cached states take (blocks holding a hash x bytes per block). Every engine captures
+CUDA graphs for the same --capture-sizes.
 Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
 --intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all"). A job's optional
 third field sets vLLM's block size (``intree:on:256``): vLLM 0.26's in-tree "all" mode needs a multiple of the
@@ -36,7 +36,7 @@ from throughput import write_config  # noqa: E402  (the shared model shapes)
 def metric_totals(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
             out[m.name] = out.get(m.name, 0) + m.value
         elif m.name == "vllm:time_to_first_token_seconds":
             count, total = out.get("ttft", (0, 0.0))
@@ -121,6 +121,7 @@ def worker(job: dict) -> dict:
                 queries=after.get("vllm:prefix_cache_queries", 0) - before.get("vllm:prefix_cache_queries", 0),
                 hits=hits, cached_tokens=cached_tokens, ideal_hits=ideal,
                 hit_share_of_ideal=round(cached_tokens / ideal, 3) if ideal else None,
+                preemptions=after.get("vllm:num_preemptions", 0) - before.get("vllm:num_preemptions", 0),
                 cached_state_bytes=cached_state_bytes(llm))
 
 
