@@ -228,8 +228,11 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             cols += list(blocks)
         if not rows:
             return offsets, None
-        idx = torch.tensor([rows, cols], dtype=torch.int64).to(cam.block_table_tensor.device)
-        return offsets, cam.block_table_tensor[idx[0], idx[1]].to(torch.int64)
+        table = cam.block_table_tensor
+        idx = torch.tensor([rows, cols], dtype=torch.int64)
+        # Pinned and asynchronous: a copy from pageable memory would wait for the previous step's GPU work.
+        idx = idx.pin_memory().to(table.device, non_blocking=True) if table.is_cuda else idx.to(table.device)
+        return offsets, table[idx[0], idx[1]].to(torch.int64)
 
     def _build_graph_decode(self, cam, query_lens, context_lens, capture: bool):
         """Metadata for a batch that a FULL decode graph may replay: every real row one token, then only the
