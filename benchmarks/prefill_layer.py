@@ -5,6 +5,8 @@
     python benchmarks/prefill_layer.py --model 130m --impls plugin,intree                 # + vLLM's own kernels (CUDA)
     python benchmarks/prefill_layer.py --model 2.7b --impls plugin,plugin-triton-launch   # FastLaunch A/B (CUDA)
     python benchmarks/prefill_layer.py --model 2.7b --layouts d33+r16+15x512+15 --host-profile  # a mixed step
+    python benchmarks/prefill_layer.py --model 2.7b --layouts r1000+3x2200+16 --resume-context 1200 --block 256
+                                                          # a prefix-caching step of cache misses (--block 0: off)
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -117,22 +119,32 @@ def make_layer(model: str, dtype, dev, seed=0) -> Mamba2Mixer:
     return layer.to(dev)
 
 
-def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1):
+def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1, block=0, resume_context=7):
     """Inputs, state pools (host copies: every implementation starts from the same values) and scheduler-side
-    metadata of one step: ``nd`` decode rows (one token each on a saved state), then the prompts."""
+    metadata of one step: ``nd`` decode rows (one token each on a saved state), then the prompts, a resumed one
+    after ``resume_context`` computed tokens. block > 0: prefix caching with blocks of that many tokens; each
+    request then has a block per ``block`` tokens (``table``: (R, columns), distinct slots), its running state
+    in the block of its last token, and the blocks of the boundaries its tokens cross keep their states."""
     g = torch.Generator().manual_seed(seed)
     S = len(lengths)
     R = nd + S  # requests
     T = nd + sum(lengths)
     n_proj = layer.projection_width
-    slots_n = 2 * R + 1
+    qsl = torch.tensor([0] + [1] * nd + lengths).cumsum(0).to(torch.int32)
+    context = torch.tensor([600] * nd + [resume_context if r else 0 for r in resumed], dtype=torch.int32)
+    seq = context + qsl.diff()
+    cols = int(((seq + block - 1) // block).max()) if block else 1
+    slots_n = (R * cols if block else 2 * R) + 1
     pools = (torch.randn(slots_n, CONV_WIDTH - 1, layer.conv_dim, generator=g) * 0.1,
              torch.randn(slots_n, layer.num_heads, layer.head_dim, layer.state_size, generator=g) * 0.1)
-    slots = torch.randperm(slots_n - 1, generator=g)[:R] + 1  # slot 0 is the null block
-    qsl = torch.tensor([0] + [1] * nd + lengths).cumsum(0).to(torch.int32)
-    context = torch.tensor([600] * nd + [7 if r else 0 for r in resumed], dtype=torch.int32)
+    ids = torch.randperm(slots_n - 1, generator=g) + 1  # slot 0 is the null block
+    table = torch.zeros(R, max(cols, 4), dtype=torch.int32)
+    table[:, :cols] = ids[: R * cols].view(R, cols).to(torch.int32)
+    running = (seq - 1).clamp(min=0) // block if block else torch.zeros(R, dtype=torch.int64)
+    slots = table.gather(1, running.view(-1, 1).long()).view(-1).long()
     projected = torch.randn(T, n_proj, generator=g).to(dev, dtype)
-    return dict(T=T, S=S, nd=nd, R=R, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context)
+    return dict(T=T, S=S, nd=nd, R=R, projected=projected, pools=pools, slots=slots, qsl=qsl, context=context,
+                table=table, block=block)
 
 
 def fresh_pools(step, dtype, dev):
@@ -142,8 +154,7 @@ def fresh_pools(step, dtype, dev):
 def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     """The plugin's own path: the metadata builder once (timed), then ``conv_ssm_forward`` per call."""
     R, T, dtype = step["R"], step["T"], step["projected"].dtype
-    table = torch.zeros(R, 4, dtype=torch.int32)
-    table[:, 0] = step["slots"]
+    table = step["table"]
     seq = step["context"] + step["qsl"].diff()
     qsl = step["qsl"]
     cam = SimpleNamespace(num_reqs=R, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
@@ -152,7 +163,9 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV_WIDTH)),
         scheduler_config=SimpleNamespace(max_num_seqs=R), compilation_config=SimpleNamespace())
-    builder = Mamba2PluginMetadataBuilder(None, [layer.prefix], vllm_config, dev)
+    spec = SimpleNamespace(mamba_cache_mode="align", block_size=step["block"]) if step["block"] else None
+    layer.prefix_caching = bool(step["block"])
+    builder = Mamba2PluginMetadataBuilder(spec, [layer.prefix], vllm_config, dev)
     for _ in range(3):  # the last of three builds: the first pays one-time costs (pinned-memory set-up)
         t = time.perf_counter()
         meta = builder.build(0, cam)
@@ -335,6 +348,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=15)
     ap.add_argument("--out", default=None, help="append one JSON line per layout and implementation")
+    ap.add_argument("--block", type=int, default=0,
+                    help="prefix caching with blocks of this many tokens (the plugin only; 0: off)")
+    ap.add_argument("--resume-context", type=int, default=7, help="computed tokens before a resumed chunk")
     ap.add_argument("--host-profile", action="store_true",
                     help="also: synchronising calls (CUDA) and a cProfile of the layer's Python host time")
     args = ap.parse_args()
@@ -343,6 +359,8 @@ def main():
     if unknown:
         ap.error(f"unknown implementation(s) {unknown}; choose from {list(RUNNERS)}")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.block and impls != ["plugin"]:
+        ap.error("--block (prefix caching) runs the plugin's path only: --impls plugin")
     if "intree" in impls and dev.type != "cuda":
         ap.error("--impls intree runs vLLM's Triton kernels: it needs --device cuda")
     layer = make_layer(args.model, dtype, dev)
@@ -352,7 +370,8 @@ def main():
     with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
         for spec in args.layouts.split(","):
             nd, lengths, resumed = parse_layout(spec)
-            step = make_step(layer, nd, lengths, resumed, dtype, dev)
+            step = make_step(layer, nd, lengths, resumed, dtype, dev, block=args.block,
+                             resume_context=args.resume_context)
             T, S = step["T"], step["S"]
             runs = {}
             for impl in impls:

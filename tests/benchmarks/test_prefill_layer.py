@@ -1,0 +1,47 @@
+"""benchmarks/prefill_layer.py's prefix-caching steps (``--block``): the block table it builds and the boundaries
+the plugin's metadata builder reads from it."""
+
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import prefill_layer  # noqa: E402
+
+from vllm_mamba2_plugin import compat  # noqa: E402
+
+
+def _layer():
+    return prefill_layer.make_layer("tiny", torch.float32, torch.device("cpu"))
+
+
+def test_a_prefix_caching_step_gives_each_request_a_block_per_block_size_tokens():
+    layer = _layer()
+    step = prefill_layer.make_step(layer, 0, [300, 600], [True, False], torch.float32, torch.device("cpu"),
+                                   block=256, resume_context=100)
+    table = step["table"]
+    used = table[:, :3].reshape(-1)
+    assert (used > 0).all() and used.unique().numel() == 6  # 400 and 600 tokens: 2 and 3 blocks, distinct slots
+    assert step["slots"].tolist() == [int(table[0, 1]), int(table[1, 2])]  # the block of each last token
+    assert step["pools"][1].shape[0] == 2 * 3 + 1
+    holder = [None]
+    run, _ = prefill_layer.plugin_runner(layer, step, torch.device("cpu"), holder)
+    layer.kv_cache = prefill_layer.fresh_pools(step, torch.float32, torch.device("cpu"))
+    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]), torch.no_grad():
+        run()
+    meta = holder[0]
+    # Resumed after 100 tokens: the boundary at 256 is 156 tokens in; the fresh prompt crosses 256 and 512.
+    assert meta.boundary_offsets_p == [[156], [256, 512]]
+    assert meta.boundary_slots_p.tolist() == [int(table[0, 0]), int(table[1, 0]), int(table[1, 1])]
+
+
+def test_without_blocks_each_request_owns_one_slot():
+    layer = _layer()
+    step = prefill_layer.make_step(layer, 2, [40], [False], torch.float32, torch.device("cpu"))
+    assert step["block"] == 0 and step["slots"].tolist() == step["table"][:, 0].tolist()
+    assert step["pools"][0].shape[0] == 2 * 3 + 1
+    holder = [None]
+    prefill_layer.plugin_runner(layer, step, torch.device("cpu"), holder)
+    assert not layer.prefix_caching
