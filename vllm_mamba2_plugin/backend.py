@@ -95,6 +95,13 @@ class Mamba2PluginMetadata:
         return self.num_decode_tokens + self.num_prefill_tokens
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, pinned and non-blocking on CUDA: a copy from pageable memory would make the
+    host wait for the GPU work already queued (the previous step's)."""
+    device = torch.device(device)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor) -> int:
     """Length of the leading run of decode rows: one new token on top of existing state."""
     is_decode = (query_lens == 1) & (context_lens > 0)
@@ -229,9 +236,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         if not rows:
             return offsets, None
         table = cam.block_table_tensor
-        idx = torch.tensor([rows, cols], dtype=torch.int64)
-        # Pinned and asynchronous: a copy from pageable memory would wait for the previous step's GPU work.
-        idx = idx.pin_memory().to(table.device, non_blocking=True) if table.is_cuda else idx.to(table.device)
+        idx = upload(torch.tensor([rows, cols], dtype=torch.int64), table.device)
         return offsets, table[idx[0], idx[1]].to(torch.int64)
 
     def _build_graph_decode(self, cam, query_lens, context_lens, capture: bool):
@@ -269,8 +274,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         a decode-shaped batch pay for it (two fills per layer)."""
         if fresh_rows.numel() == 0:
             return
-        dev = block_table.device
-        rows = fresh_rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fresh_rows.to(dev)
+        rows = upload(fresh_rows, block_table.device)
         slots = block_table[:, 0].index_select(0, rows).to(torch.int64)  # a fresh row's last token is in block 0
         layers = self.vllm_config.compilation_config.static_forward_context
         for name in self.layer_names:
