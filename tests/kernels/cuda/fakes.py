@@ -84,6 +84,36 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
     return res + (varlen.to(C.dtype),)  # chunk states are stored in C's dtype (ssd_combined.py:381)
 
 
+def _fake_chunk_state_varlen(B, x, dt, dA_cumsum, cu_seqlens, chunk_states):
+    """mamba_ssm.ops.triton.ssd_chunk_state.chunk_state_varlen (ssd_chunk_state.py:1018-1044), its checks, and its
+    kernel's arithmetic per consecutive (start, end) of cu_seqlens (:656-715): the state at token ``end`` from the
+    tokens of end's chunk c from max(start, c * cs), plus the state entering chunk c, decayed, if start < c * cs.
+    An end below 1 would read before the chunk's dA_cumsum: refused here."""
+    total, nheads, headdim = x.shape
+    _, nchunks, cs = dt.shape
+    _, ngroups, dstate = B.shape
+    assert nheads % ngroups == 0 and B.shape == (total, ngroups, dstate)
+    assert dt.shape == (nheads, nchunks, cs) and dA_cumsum.shape == dt.shape
+    assert chunk_states.shape == (nchunks, nheads, headdim, dstate)
+    assert cu_seqlens.dtype == torch.int32  # as the varlen final states' bounds: one kernel specialisation
+    bounds = cu_seqlens.tolist()
+    Bh = B.float().repeat_interleave(nheads // ngroups, dim=1)  # (T, H, N)
+    out = torch.empty(len(bounds) - 1, nheads, headdim, dstate, dtype=chunk_states.dtype)
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        assert end >= 1, f"chunk_state_varlen would read dA_cumsum before chunk 0 (end {end})"
+        c = (end - 1) // cs
+        lo, hi = min(c * cs + max(start - c * cs, 0), end), end  # start > end: no tokens (the odd pairs)
+        last = dA_cumsum[:, c, end - c * cs - 1].float()  # (H,)
+        k = torch.arange(lo - c * cs, hi - c * cs)
+        scale = torch.exp(torch.clamp(last[:, None] - dA_cumsum[:, c, k].float(), max=0.0)) * dt[:, c, k].float()
+        Bs = (Bh[lo:hi] * scale.t()[:, :, None]).to(x.dtype).float()  # the kernel rounds B * scale to x's dtype
+        acc = torch.einsum("khp,khn->hpn", x[lo:hi].float(), Bs)
+        if start < c * cs:
+            acc = acc + chunk_states[c].float() * torch.exp(last)[:, None, None]
+        out[b] = acc.to(out.dtype)
+    return out
+
+
 def _fake_conv_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation):
     """causal_conv1d_cuda.causal_conv1d_fwd (the extension, in place into out), with causal_conv1d.cpp:150-240's
     checks and the channel-last kernel's assumption that out has unit channel stride (causal_conv1d_fwd.cu:233)."""
@@ -224,6 +254,7 @@ def _fake_layer_norm_fwd(x, weight, bias, eps, z=None, out=None, group_size=None
 
 FAKE_KERNELS = SimpleNamespace(
     ssd_fwd=_fake_ssd_fwd,
+    chunk_state_varlen=_fake_chunk_state_varlen,
     selective_state_update=_fake_state_update,
     layer_norm_fwd=_fake_layer_norm_fwd,
     conv_fwd=_fake_conv_fwd,

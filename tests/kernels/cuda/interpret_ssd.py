@@ -1,6 +1,7 @@
-"""pytest plugin for scripts/interpret-ssd-tests.sh: the "fake" backend's SSD forward is mamba-ssm's real
-``_mamba_chunk_scan_combined_fwd``, its Triton kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1,
-set before mamba-ssm is imported). The other upstream kernels stay plain-torch stand-ins."""
+"""pytest plugin for scripts/interpret-ssd-tests.sh: the "fake" backend's SSD forward and chunk_state_varlen are
+mamba-ssm's real ``_mamba_chunk_scan_combined_fwd`` and ``chunk_state_varlen``, their Triton kernels run by
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before mamba-ssm is imported). The other upstream
+kernels stay plain-torch stand-ins."""
 
 import contextlib
 
@@ -12,6 +13,7 @@ import fakes
 # interpreter needs none.
 torch.cuda.device = lambda *a, **k: contextlib.nullcontext()
 
+from mamba_ssm.ops.triton.ssd_chunk_state import chunk_state_varlen  # noqa: E402
 from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd  # noqa: E402
 
 
@@ -31,4 +33,11 @@ def _ssd_fwd(x, dt, A, B, C, chunk_size, **kw):
     return tuple(res)
 
 
+def _chunk_state_varlen(B, x, dt, dA_cumsum, cu_seqlens, chunk_states):
+    """The real one, 16-bit inputs in float32 as above; the states come back in chunk_states' dtype."""
+    return chunk_state_varlen(B.float(), x.float(), dt, dA_cumsum, cu_seqlens,
+                              chunk_states.float()).to(chunk_states.dtype)
+
+
 fakes.FAKE_KERNELS.ssd_fwd = _ssd_fwd
+fakes.FAKE_KERNELS.chunk_state_varlen = _chunk_state_varlen

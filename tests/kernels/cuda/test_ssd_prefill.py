@@ -277,15 +277,13 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssd_boundary_states_of_fresh_prompts_come_from_the_packed_call(kern, name, states, monkeypatch):
     """A prefix-caching step of fresh prompts (a cache miss: each prompt's first tokens cross block boundaries):
-    their boundary states are states the packed call passes between its chunks, once padding moves the prompts
-    whose boundaries would fall inside a chunk onto chunk starts (here chunk - 8 tokens before the last one); a prompt
-    ending on a boundary takes its final state. ONE SSD call, no second pass; with no initial states at all, or
-    with garbage in unflagged slots. Against the reference."""
+    their boundary states come from the packed call's passed states and tokens, by ONE chunk_state_varlen launch
+    (the last prompt's boundaries fall 8 tokens into chunks); a prompt ending on a boundary takes its final
+    state. ONE SSD call, no second pass; with no initial states at all, or with garbage in unflagged slots.
+    Against the reference."""
     c = case(kern, name)
     cs = c.cs
-    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
-    calls, real = [], ns.ssd_fwd
-    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    calls, varlen = _count_calls(kern, monkeypatch)
     lens = [2 * cs + 5, cs, 3, 3 * cs]
     offsets = [[cs, 2 * cs], [cs], [], [cs, 2 * cs, 3 * cs]]
     x, _, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=14)
@@ -299,8 +297,8 @@ def test_ssd_boundary_states_of_fresh_prompts_come_from_the_packed_call(kern, na
     y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
                                           boundary_offsets=offsets)
     y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias, boundary_offsets=offsets)
-    pad = (-(sum(lens[:3]) + cs)) % cs  # the last prompt starts 8 tokens past a chunk start
-    assert pad == cs - 8 and calls == [(1, sum(lens) + pad)], calls  # the packed call alone, the last prompt moved
+    assert (sum(lens[:3]) + cs) % cs == 8  # the last prompt's boundaries fall inside chunks
+    assert calls == [(1, sum(lens))] and varlen == [2 * 4], (calls, varlen)  # 4 inner offsets, as pairs
     t = tol(kern, "ssd", F32)
     assert at.shape == at_r.shape == (6, c.H, c.P, c.N)
     assert_close(at, at_r, t, "boundary states")
@@ -312,17 +310,24 @@ def test_ssd_boundary_states_of_fresh_prompts_come_from_the_packed_call(kern, na
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssd_boundary_states_of_a_continued_prompt_come_from_the_packed_call(kern, name, dtype, monkeypatch):
     """A prompt continued from its slot's state (the first sequence: the kernel's own initial state) whose step
-    began inside a block (boundaries at 5, chunk + 5, ...): inert padding in front of it moves its boundaries onto
-    chunk starts, so the packed call's passed states serve them, and the fresh prompt after it too. ONE SSD call.
-    Against the reference."""
+    began inside a block (boundaries at 5, chunk + 5, ...: the first in chunk 0, from the initial state itself),
+    and a fresh prompt after it: the packed call serves every boundary, by ONE chunk_state_varlen launch. ONE SSD
+    call. Against the reference."""
     c = case(kern, name)
     cs = c.cs
-    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
-    calls, real = [], ns.ssd_fwd
-    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    calls, varlen = _count_calls(kern, monkeypatch)
     _check_boundary_states(kern, c, [2 * cs + 5, cs + 4], [True, False], [[5, cs + 5, 2 * cs + 5], [cs]], dtype,
                            seed=17)
-    assert calls == [(1, 3 * cs + 9 + cs - 5)], calls  # one packed call, cs - 5 padding tokens in front
+    assert calls == [(1, 3 * cs + 9)] and varlen == [2 * 3], (calls, varlen)  # the last offset: a final state
+
+
+def _count_calls(kern, monkeypatch):
+    """Lists that record each SSD forward's (batch, length) and each chunk_state_varlen's bounds count."""
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    calls, varlen, ssd, csv = [], [], ns.ssd_fwd, ns.chunk_state_varlen
+    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), ssd(x, *a, **kw))[1])
+    monkeypatch.setattr(ns, "chunk_state_varlen", lambda *a: (varlen.append(a[4].numel()), csv(*a))[1])
+    return calls, varlen
 
 
 def _random_prefix_caching_step(rng, cs):
@@ -355,7 +360,7 @@ def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_p
 
 def test_boundary_plan_is_built_once_per_step():
     """Every layer of a step asks for the boundary plan with the same offsets list: the second ask returns the
-    first plan (it uploads index tensors and may build a padded plan); other flags build another."""
+    first plan (it uploads index tensors); other flags build another."""
     from vllm_mamba2_plugin.kernels.cuda import varlen_plan
 
     cs, lens = 16, [2 * 16 + 5, 16 + 4, 3]
@@ -363,6 +368,6 @@ def test_boundary_plan_is_built_once_per_step():
     plan = varlen_plan.build_plan(cu, torch.tensor([True, False, False]), True, sum(lens), cs)
     offsets = [[5, cs + 5], [cs], []]
     first = varlen_plan.boundary_plan(plan, offsets, cs, True, True)
-    assert first.packing is not None  # the fresh prompt moves onto a chunk start
+    assert first.pairs is not None  # the fresh prompt's boundary, from the packed call
     assert varlen_plan.boundary_plan(plan, offsets, cs, True, True) is first
     assert varlen_plan.boundary_plan(plan, offsets, cs, False, True) is not first

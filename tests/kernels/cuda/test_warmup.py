@@ -121,8 +121,8 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
                          ids=["profile-run-over-2-chunks", "profile-run-over-16-chunks"])
 def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, profile_tokens, monkeypatch):
     """With prefix caching the warm-up also runs the boundary-state calls (``warmup.boundary_layouts``): the packed
-    call moved onto chunk starts (gathered, padded length in Triton's classes, from zeros and with a first initial
-    state); under the batched correction, a resumed sequence's second pass up to its last boundary, without
+    call (length in Triton's classes, from zeros and with a first initial state) and chunk_state_varlen over its
+    results; under the batched correction, a resumed sequence's second pass up to its last boundary, without
     seq_idx, from its state, at chunk counts 1, 2 and (budget allowing) 16, and the padded rows of several resumed
     sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching
     none of it runs."""
@@ -146,9 +146,12 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
         return real(x, *a, **kw)
 
     monkeypatch.setattr(ns, "ssd_fwd", recorded)
+    varlen, csv = [], ns.chunk_state_varlen
+    monkeypatch.setattr(ns, "chunk_state_varlen", lambda *a: (varlen.append(a[4].numel()), csv(*a))[1])
     projected = torch.zeros(profile_tokens, layer.projection_width, device=kern.dev, dtype=F32)
     warmup.warm_prefill(layer, projected)
     plain = list(calls)
+    assert not varlen
     monkeypatch.setattr(layer, "prefix_caching", True)
     calls.clear()
     warmup.warm_prefill(layer, projected)  # another signature: warms again, with the boundary calls
@@ -158,9 +161,10 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
     assert packed
     for c in packed:
         for residue in (0, 8, 4, 2, 1):
-            Tp = (c - 1) * cs + 16 + residue
-            if Tp <= profile_tokens:
-                assert (1, Tp, False, False) in extra and (1, Tp, False, True) in extra  # the moved packed call
+            T = (c - 1) * cs + 16 + residue
+            if T <= profile_tokens:
+                assert (1, T, False, False) in extra and (1, T, False, True) in extra  # the packed call
+    assert varlen and set(varlen) == {4}  # two inner boundaries per packed layout: two (start, end) pairs
     for c in (1, 2, 16):
         if c * cs + 19 <= profile_tokens:
             assert (1, c * cs, True, True) in extra  # a resumed sequence's second pass (under the correction)

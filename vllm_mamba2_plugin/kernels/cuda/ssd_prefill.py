@@ -109,8 +109,7 @@ def ssd_chunk_scan(
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
     kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
     boundary_offsets: prefix caching's block boundaries (contract: reference); then also the (M, H, P, N) states
-    there, in state_dtype (``_boundary_states``), mostly read off the step's own calls: the packed call may then
-    run over a padded copy of the step (``varlen_plan.AlignedPacking``), its outputs gathered back.
+    there, in state_dtype (``_boundary_states``), mostly from the step's own calls.
     """
     T, H, P = x.shape
     N = B.shape[-1]
@@ -129,12 +128,7 @@ def ssd_chunk_scan(
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
     bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
                                                              initial_states is not None, fwd.pads_are_inert())
-    if bp is not None and bp.packing is not None:  # the packed call with its sequences moved onto chunk starts
-        padded = fwd.gathered(bp.packing.src, bp.packing.pad)
-        out, fin_k, calls = _scan(padded, bp.packing.plan, initial_states, state_dtype)
-        out = out.index_select(0, bp.packing.real)
-    else:
-        out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
+    out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
     if bp is None:
         return result
@@ -182,16 +176,17 @@ class _Calls:
 def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls: _Calls, finals, initial_states,
                      state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
-    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the passed states (``[4]``, in C's dtype) of the packed
-    call, the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in state_dtype) and a
-    second pass for the rest. (M, H, P, N) in state_dtype."""
+    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call (``_packed_states_at``), the passed states
+    (``[4]``, in C's dtype) of the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in
+    state_dtype) and a second pass for the rest. (M, H, P, N) in state_dtype."""
     H, P, N = hpn
     parts = []
-    for idx, res in ((bp.chunk, calls.packed), (bp.rows, calls.rows)):
-        if idx.numel():
-            if res is None:
-                raise AssertionError("boundary states planned from a call that did not run")
-            parts.append(res[4].reshape(-1, H, P, N).index_select(0, idx).to(state_dtype))
+    if bp.pairs is not None:
+        parts.append(_packed_states_at(fwd, plan, calls.packed, bp.pairs).to(state_dtype))
+    if bp.rows.numel():
+        if calls.rows is None:
+            raise AssertionError("boundary states planned from a call that did not run")
+        parts.append(calls.rows[4].reshape(-1, H, P, N).index_select(0, bp.rows).to(state_dtype))
     for s, idx in bp.rerun.items():
         parts.append(calls.rerun[s][4][0].index_select(0, idx).to(state_dtype))
     if bp.final.numel():
@@ -202,6 +197,20 @@ def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls:
         return torch.zeros(0, *hpn, dtype=state_dtype, device=fwd.x.device)
     states = parts[0] if len(parts) == 1 else torch.cat(parts)
     return states if bp.order is None else states.index_select(0, bp.order)
+
+
+def _packed_states_at(fwd: "_Forward", plan: VarlenPlan, res, pairs: torch.Tensor) -> torch.Tensor:
+    """The states at the ends of ``pairs`` (``varlen_plan._packed_pairs``: one (start, end) per state, then the
+    discarded pairs between them) from the packed call's result ``res``: mamba-ssm's ``chunk_state_varlen`` (as
+    the call itself runs it for varlen final states, ssd_combined.py:391) over the call's x, B, processed dt,
+    dA_cumsum and passed states, which computes each from the state entering its chunk and at most one chunk of
+    tokens. (Mp, H, P, N) in C's dtype."""
+    if res is None:
+        raise AssertionError("boundary states planned from a packed call that did not run")
+    lo, hi = plan.cu[0], plan.cu[-1]
+    states = upstream.kernels().chunk_state_varlen(row_range(fwd.B, lo, hi), row_range(fwd.x, lo, hi), res[2][0],
+                                                   res[3][0], pairs, res[4][0])
+    return states[0::2]
 
 
 def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_offsets, state_dtype, hpn):

@@ -39,12 +39,14 @@ def kernels() -> SimpleNamespace:
                 _selective_scan_update_kernel,
                 selective_state_update,
             )
+            from mamba_ssm.ops.triton.ssd_chunk_state import chunk_state_varlen
             from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         placed = _install_launch_path()
         _KERNELS = SimpleNamespace(
             ssd_fwd=_mamba_chunk_scan_combined_fwd,
+            chunk_state_varlen=chunk_state_varlen,
             selective_state_update=selective_state_update,
             ssu_kernel=placed.get("_selective_scan_update_kernel", _selective_scan_update_kernel),
             layer_norm_fwd=_layer_norm_fwd,

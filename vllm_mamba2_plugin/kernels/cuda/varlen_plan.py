@@ -128,44 +128,28 @@ class BoundaryRowsPlan:
 
 
 @dataclass
-class AlignedPacking:
-    """The step's packed call with inert padding in front of some sequences, so that their block boundaries fall
-    on chunk boundaries of the call: the state after o tokens of such a sequence is then the state entering one of
-    the call's chunks (its ``states``), and prefix caching needs no second pass over those sequences.
-
-    plan: the padded step's plan (tokens 0..Tp; a sequence's bounds include its leading padding); src: (Tp,) long:
-    the token of x at each padded position (padding repeats the sequence's first token: with a processed step
-    size of 0 it neither decays nor feeds the state, whatever its x, B and C); pad: (Tp,) bool: padding positions;
-    real: (Tu,) long: the padded position of each of the step's tokens cu[0]..cu[S]-1."""
-
-    plan: "VarlenPlan"
-    src: torch.Tensor
-    pad: torch.Tensor
-    real: torch.Tensor
-
-
-@dataclass
 class BoundaryPlan:
     """Where prefix caching's boundary states of a step come from (``ssd_prefill._boundary_states``); built on
-    the host and uploaded once per step. Three sources, concatenated in this order, then put in the order of the
+    the host and uploaded once per step. Five sources, concatenated in this order, then put in the order of the
     offsets (``order``):
 
-    1. chunk: (Mc,) long: chunks of the packed call whose entering state is the state at an inner offset (one
-       before the sequence's end) of a sequence the packed call computes from its true initial state (fresh, or
-       the first sequence taking the kernel's own initial state), aligned by ``packing`` where needed;
-    2. rows: (Mr,) long: the same from the call of resumed rows (``ResumedRowsPlan``; a row starts at its
-       sequence's start), as rows of its states flattened to (I * chunks, ...), for inner offsets that are chunk
-       multiples;
+    1. packed: the inner offsets (before the sequence's end) of the sequences the packed call computes from their
+       true initial state (fresh ones; the first one when it takes the kernel's own initial state): ONE launch of
+       mamba-ssm's ``chunk_state_varlen`` over the packed call's own tensors, asked for the states at ``pairs``
+       (``_packed_pairs``), in offset order;
+    2. rows: (Mr,) long: states entering chunks of the call of resumed rows (``ResumedRowsPlan``; a row starts at
+       its sequence's start), as rows of its states flattened to (I * chunks, ...), for inner offsets that are
+       chunk multiples;
     3. rerun: {sequence: (chunks,) long}: the same from the rerun of each resumed sequence, in sequence order;
     4. final: (Mf,) long: sequences whose offset is their end: the final state, whatever path computed it;
     5. rest: the other offsets (inner offsets of resumed sequences under the correction, or inside a chunk), per
        sequence, for a second pass over those sequences (``boundary_rows`` or one forward each); None if none.
 
-    packing: None when the packed call runs unpadded (no sequence needs to move, or none is served by it).
+    pairs: (2 Mp,) int32 (start, end) per state of source 1, relative to the packed call's first token, as
+    ``chunk_state_varlen`` reads its cu_seqlens; None when source 1 is empty.
     order: (M,) long: each offset's row in the concatenation of 1-5; None: already in order."""
 
-    packing: Optional[AlignedPacking]
-    chunk: torch.Tensor
+    pairs: Optional[torch.Tensor]
     rows: torch.Tensor
     rerun: Dict[int, torch.Tensor]
     final: torch.Tensor
@@ -429,7 +413,7 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
 def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, pads_ok: bool) -> BoundaryPlan:
     """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
     per plan. has_states: the scan gets initial states at all; pads_ok: padding tokens can be made inert
-    (``ssd_prefill._Forward.pads_are_inert``)."""
+    (``ssd_prefill._Forward.pads_are_inert``: the resumed rows' call)."""
     key = (has_states, pads_ok, chunk_size)
     cache = plan.boundary_plan_cache
     if cache is not None and cache[0] is offsets and cache[1] == key:
@@ -437,8 +421,7 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
     path = plan.resume_path(has_states, pads_ok)
-    pads, packed = _packed_sources(plan, offsets, chunk_size, has_states and path != "none", path == "native",
-                                   pads_ok)
+    packed, pairs = _packed_pairs(plan, offsets, chunk_size, has_states and path != "none", path == "native")
     picks: Dict[object, list] = {}  # source -> what to take from it; a rerun's source is ("rerun", sequence)
     where = []  # per offset: (source, position among the source's picks)
     for s, offs in enumerate(offsets):
@@ -446,23 +429,20 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
             source, pick = _source_of(plan, s, o, chunk_size, path, packed)
             where.append((source, len(picks.setdefault(source, []))))
             picks[source].append(pick)
+    assert picks.get("packed", []) == list(range(len(packed)))  # chunk_state_varlen's rows come in offset order
     reruns = sorted(k for k in picks if isinstance(k, tuple))
-    keys = [k for k in ("chunk", "rows", *reruns, "final", "rest") if k in picks]
+    keys = [k for k in ("packed", "rows", *reruns, "final", "rest") if k in picks]
     base = dict(zip(keys, np.cumsum([0] + [len(picks[k]) for k in keys]).tolist()))
     order = [base[k] + i for k, i in where]  # the rest come back from a second pass in sequence order, as picked
-    host = {k: torch.tensor(picks.get(k, []), dtype=torch.long) for k in ("chunk", "rows", "final")}
+    host = {k: torch.tensor(picks.get(k, []), dtype=torch.long) for k in ("rows", "final")}
     host.update({f"rerun{k[1]}": torch.tensor(picks[k], dtype=torch.long) for k in reruns})
+    if pairs:
+        host["pairs"] = torch.tensor(pairs, dtype=torch.long)
     if order != sorted(order):
         host["order"] = torch.tensor(order, dtype=torch.long)
-    packing = _aligned_packing_host(host, plan, pads) if any(pads) else None
     dev = _upload(host, plan.device)
-    if packing is not None:
-        cu_p, flags, Tp = packing
-        packing = AlignedPacking(
-            plan=build_plan(torch.tensor(cu_p), torch.tensor(flags), has_states, Tp, chunk_size, (), plan.device),
-            src=dev["a_src"], pad=dev["a_pad"].bool(), real=dev["a_real"])
     rest = [[o for s2, o in picks.get("rest", []) if s2 == s] for s in range(plan.S)]
-    result = BoundaryPlan(packing=packing, chunk=dev["chunk"], rows=dev["rows"],
+    result = BoundaryPlan(pairs=dev["pairs"].to(torch.int32) if pairs else None, rows=dev["rows"],
                           rerun={k[1]: dev[f"rerun{k[1]}"] for k in reruns}, final=dev["final"],
                           rest=rest if any(rest) else None, order=dev.get("order"))
     plan.boundary_plan_cache = (offsets, key, result)
@@ -470,14 +450,13 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
 
 
 def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, path: str, packed: dict) -> tuple:
-    """(source, what to take from it) for the state after o tokens of sequence s: its final state; a passed state
-    of the packed call (``_packed_sources``); of the call that computes a resumed sequence from its own start (a
-    row of the resumed rows' call, flattened to (rows * chunks), or its rerun), at a chunk multiple; else the
-    second pass's."""
+    """(source, what to take from it) for the state after o tokens of sequence s: its final state; the packed
+    call's (``_packed_pairs``); the call that computes a resumed sequence from its own start (a row of the resumed
+    rows' call, flattened to (rows * chunks), or its rerun), at a chunk multiple; else the second pass's."""
     if o == plan.cu[s + 1] - plan.cu[s]:
         return "final", s
     if (s, o) in packed:
-        return "chunk", packed[(s, o)]
+        return "packed", packed[(s, o)]
     if path in ("rows", "rerun") and plan.init_flags[s] and o % cs == 0:
         if path == "rerun":
             return ("rerun", s), o // cs
@@ -486,43 +465,40 @@ def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, path: str, packed: dic
     return "rest", (s, o)
 
 
-def _packed_sources(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native: bool, pads_ok: bool):
-    """The padding in front of each sequence, and {(s, o): chunk of the (padded) packed call entering which the
-    state is sequence s's after o tokens}, for the inner offsets (before its end) of the sequences the packed call
-    computes from their true initial state (fresh ones; the first one when it takes the kernel's own initial
-    state). Such a sequence gets (-(position + o)) % cs padding tokens in front of it, o its first inner offset:
-    its inner offsets are block boundaries, one or more blocks apart, so they agree modulo the chunk."""
+def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native: bool) -> tuple:
+    """({(s, o): k}, pairs): the k-th (start, end) of ``pairs`` asks mamba-ssm's ``chunk_state_varlen`` for the
+    state after o tokens of sequence s, for the inner offsets (before its end) of the sequences the packed call
+    computes from their true initial state (fresh ones; the first one when it takes the kernel's own initial state).
+
+    The kernel (ssd_chunk_state.py:656-715) computes, for each consecutive (start, end) of its cu_seqlens, the
+    state at token ``end`` (after the tokens before it): with c = (end - 1) // cs, the tokens of chunk c from
+    max(start, c * cs) to end, plus the state entering chunk c (the call's passed states) decayed to end if
+    start < c * cs. For sequence s at position a of the packed call, end = a + o: the state entering chunk c is
+    s's own if s began before c (it owns the token before c * cs; state passing resets at sequence starts), so
+    start = c * cs - 1; else start = a (s began inside chunk c, from zeros: a fresh sequence), except the first
+    sequence, at 0, which takes start = -1 in chunk 0: the state entering chunk 0 is the call's initial state (the
+    kernel's own for the native first sequence, zeros otherwise).
+    Given [start0, end0, start1, end1, ...] the kernel also computes the odd pairs (end0, start1), ..., which are
+    discarded, but whose ends must be real positions >= 1 (it reads dA_cumsum at end - 1): only the first pair may
+    start below 1, so a second offset of the first sequence inside chunk 0 (blocks shorter than the chunk, which
+    the engine refuses) goes to the second pass instead."""
     cu = plan.cu
-    pads, chunk_at, pos = [0] * plan.S, {}, 0
+    packed: Dict[tuple, int] = {}
+    pairs: List[int] = []
     for s in range(plan.S):
-        n = cu[s + 1] - cu[s]
+        n, a = cu[s + 1] - cu[s], cu[s] - cu[0]
         for o in offsets[s]:
             if not 0 < o <= n:
                 raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
-        inner = [o for o in offsets[s] if o < n]
-        true_state = not (any_resumed and plan.init_flags[s]) or (native and s == plan.nonempty[0])
-        if inner and true_state and len({o % cs for o in inner}) == 1:
-            pads[s] = (-(pos + inner[0])) % cs if pads_ok else 0
-            if (pos + pads[s] + inner[0]) % cs == 0:
-                chunk_at.update({(s, o): (pos + pads[s] + o) // cs for o in inner})
-        pos += pads[s] + n
-    return pads, chunk_at
-
-
-def _aligned_packing_host(host: Dict[str, torch.Tensor], plan: VarlenPlan, pads: List[int]) -> tuple:
-    """The host arrays of ``AlignedPacking`` (added to host as "a_*") for ``pads`` padding tokens in front of
-    each sequence; returns the padded step's (bounds, flags, tokens)."""
-    cu = np.asarray(plan.cu, dtype=np.int64)
-    n, pad = np.diff(cu), np.asarray(pads, dtype=np.int64)
-    cu_p = np.concatenate([[0], np.cumsum(pad + n)])
-    Tp = int(cu_p[-1])
-    seq = np.repeat(np.arange(len(n)), pad + n)  # the sequence of each padded position
-    j = np.arange(Tp, dtype=np.int64) - cu_p[seq] - pad[seq]  # position within its sequence; < 0: padding
-    is_pad = j < 0
-    host.update({"a_src": torch.from_numpy(cu[seq] + np.maximum(j, 0)),
-                 "a_pad": torch.from_numpy(is_pad.astype(np.int64)),
-                 "a_real": torch.from_numpy(np.flatnonzero(~is_pad))})
-    return cu_p.tolist(), list(plan.init_flags), Tp
+        if any_resumed and plan.init_flags[s] and not (native and s == plan.nonempty[0]):
+            continue  # computed from zeros by the packed call, its result corrected or replaced
+        for o in offsets[s]:
+            c = (a + o - 1) // cs
+            start = c * cs - 1 if a < c * cs else (a if a > 0 else -1)
+            if o < n and (start >= 1 or not pairs):
+                packed[(s, o)] = len(packed)
+                pairs += [start, a + o]
+    return packed, pairs
 
 
 def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[BoundaryRowsPlan]:

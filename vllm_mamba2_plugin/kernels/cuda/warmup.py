@@ -140,10 +140,10 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
     call serves both alike; a second pass up to an offset inside a chunk (a resumed sequence under the
     correction) compiles at its first use.
 
-    * Fresh prompts (and a continued prompt opening the step) take their boundary states from the packed call,
-      which pads a prompt in front so that its boundaries fall on chunk starts (``varlen_plan.AlignedPacking``):
-      the packed call over gathered tensors, its padded length Tp in Triton's classes (chunk count other or 16k) x
-      (Tp mod 16: 0 / 8 / 4 / 2 / 1), with the varlen final states, from zeros and with a first initial state.
+    * Fresh prompts (and a continued prompt opening the step) take their boundary states from the packed call
+      and one launch of ``chunk_state_varlen`` over its results (``varlen_plan._packed_pairs``): the packed call's
+      length T in Triton's classes (chunk count other or 16k) x (T mod 16: 0 / 8 / 4 / 2 / 1), with the varlen
+      final states, from zeros and with a first initial state.
     * Resumed sequences rerun alone or as rows of one call give theirs from that call (no other kernels). Under
       the batched correction (a long resumed sequence among 1-token ones pads too much for rows) they run a second
       pass up to their last boundary: alone, as one batch row without seq_idx from their state (a length that is a
@@ -152,9 +152,9 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
     cs, layouts = chunk_size, []
     for chunks in (4, 16):
         for residue in (0, 8, 4, 2, 1):
-            Tp = (chunks - 1) * cs + 16 + residue  # the second prompt moves by cs - 5, onto chunk 2
-            if Tp <= tokens:
-                layouts += [([cs + 5, Tp - 2 * cs], [first, False], [[cs], [cs]]) for first in (False, True)]
+            T = (chunks - 1) * cs + 16 + residue  # the second prompt's boundary falls 5 tokens into chunk 2
+            if T <= tokens:
+                layouts += [([cs + 5, T - cs - 5], [first, False], [[cs], [cs]]) for first in (False, True)]
     for n, chunk_counts in ((1, (1, 2, 16)), (2, (1, 2)), (16, (1, 2))):
         for chunks in chunk_counts:
             short = max(n + 1, varlen_plan.SEPARATE_RESUMED_MAX + 1 - n)  # 1-token ones: the correction
