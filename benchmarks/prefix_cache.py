@@ -12,8 +12,9 @@ caching costs when nothing hits). Reported per worker, over the batch: wall time
 to first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits) and preemptions, the
 tokens each request took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's
 numerator, independent of the stats path) against the ideal (per request the system prompt rounded down to a
-block), and the memory the cached states take (blocks holding a hash x bytes per block). Every engine captures
-CUDA graphs for the same --capture-sizes.
+block), the memory the cached states take (blocks holding a hash x bytes per block), and the engine steps of the
+batch (all, those with prefill tokens, wall time per step). Every engine captures CUDA graphs for the same
+--capture-sizes.
 Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
 --intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all"). A job's optional
 third field sets vLLM's block size (``intree:on:256``): vLLM 0.26's in-tree "all" mode needs a multiple of the
@@ -58,6 +59,25 @@ def cached_state_bytes(llm):
         return None
 
 
+def record_steps(llm):
+    """A list that gets (scheduled tokens, requests) per non-empty step the scheduler makes from now on: whether a
+    slower mode makes more steps or slower ones. None where this vLLM's internals differ (in process only)."""
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return None
+    steps, schedule = [], sched.schedule
+
+    def recorded(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            steps.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        return out
+
+    sched.schedule = recorded
+    return steps
+
+
 def worker(job: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -95,9 +115,11 @@ def worker(job: dict) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=system + [5])], params, use_tqdm=False)  # fills the cache
     block = llm.llm_engine.vllm_config.cache_config.block_size
     before = metric_totals(llm)
+    steps = record_steps(llm)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    steps = None if steps is None else list(steps)
     after = metric_totals(llm)
     new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     count = after.get("ttft", (0, 0.0))[0] - before.get("ttft", (0, 0.0))[0]
@@ -122,7 +144,10 @@ def worker(job: dict) -> dict:
                 hits=hits, cached_tokens=cached_tokens, ideal_hits=ideal,
                 hit_share_of_ideal=round(cached_tokens / ideal, 3) if ideal else None,
                 preemptions=after.get("vllm:num_preemptions", 0) - before.get("vllm:num_preemptions", 0),
-                cached_state_bytes=cached_state_bytes(llm))
+                cached_state_bytes=cached_state_bytes(llm),
+                steps=None if steps is None else len(steps),
+                prefill_steps=None if steps is None else sum(1 for t, r in steps if t > r),
+                mean_step_ms=round(1000 * wall / len(steps), 2) if steps else None)
 
 
 def main() -> None:

@@ -371,3 +371,22 @@ def test_boundary_plan_is_built_once_per_step():
     assert first.pairs is not None  # the fresh prompt's boundary, from the packed call
     assert varlen_plan.boundary_plan(plan, offsets, cs, True, True) is first
     assert varlen_plan.boundary_plan(plan, offsets, cs, False, True) is not first
+
+
+def test_packed_pairs_ask_for_each_boundary_from_its_own_chunk_state():
+    """chunk_state_varlen's (start, end) per boundary of fresh prompts (chunk 16): start -1 for the first
+    prompt's chunk 0 (the call's initial state), one token past the previous chunk's start when the prompt began
+    before the boundary's chunk (its passed state is the prompt's own), the prompt's start when it began at that
+    chunk's start. The discarded pairs in between (end_k, start_k+1) end at positions >= 1 and span one token
+    each, but before a prompt that starts on a chunk start."""
+    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
+
+    cs, lens = 16, [37, 55, 20, 20, 10]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    plan = varlen_plan.build_plan(cu, torch.tensor([False] * 5), False, sum(lens), cs)
+    offsets = [[16, 32], [16, 32, 48], [16], [16], [10]]  # the last prompt's offset is its end: its final state
+    packed, pairs = varlen_plan._packed_pairs(plan, offsets, cs, False, False)
+    assert pairs == [-1, 16, 1, 32, 33, 53, 49, 69, 65, 85, 81, 108, 112, 128]
+    assert packed == {(0, 16): 0, (0, 32): 1, (1, 16): 2, (1, 32): 3, (1, 48): 4, (2, 16): 5, (3, 16): 6}
+    spans = [e - (e - 1) // cs * cs for e in pairs[2::2]]  # tokens the kernel loops over for each odd pair
+    assert min(pairs[2::2]) >= 1 and spans == [1, 1, 1, 1, 1, 16]

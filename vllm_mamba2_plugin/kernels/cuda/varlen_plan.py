@@ -475,13 +475,15 @@ def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native:
     max(start, c * cs) to end, plus the state entering chunk c (the call's passed states) decayed to end if
     start < c * cs. For sequence s at position a of the packed call, end = a + o: the state entering chunk c is
     s's own if s began before c (it owns the token before c * cs; state passing resets at sequence starts), so
-    start = c * cs - 1; else start = a (s began inside chunk c, from zeros: a fresh sequence), except the first
-    sequence, at 0, which takes start = -1 in chunk 0: the state entering chunk 0 is the call's initial state (the
-    kernel's own for the native first sequence, zeros otherwise).
+    start = (c - 1) * cs + 1, any start below c * cs would do; else start = a (s began inside chunk c, from
+    zeros: a fresh sequence), except the first sequence, at 0, which takes start = -1 in chunk 0: the state
+    entering chunk 0 is the call's initial state (the kernel's own for the native first sequence, zeros
+    otherwise).
     Given [start0, end0, start1, end1, ...] the kernel also computes the odd pairs (end0, start1), ..., which are
-    discarded, but whose ends must be real positions >= 1 (it reads dA_cumsum at end - 1): only the first pair may
-    start below 1, so a second offset of the first sequence inside chunk 0 (blocks shorter than the chunk, which
-    the engine refuses) goes to the second pass instead."""
+    discarded. Each program loops over its end's chunk up to its end, so a start just past a chunk start keeps
+    the odd pair ending there to one token. Their ends must be real positions >= 1 (the kernel reads dA_cumsum at
+    end - 1): only the first pair may start below 1, so a second offset of the first sequence inside chunk 0
+    (blocks shorter than the chunk, which the engine refuses) goes to the second pass instead. (cs >= 2.)"""
     cu = plan.cu
     packed: Dict[tuple, int] = {}
     pairs: List[int] = []
@@ -494,7 +496,7 @@ def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native:
             continue  # computed from zeros by the packed call, its result corrected or replaced
         for o in offsets[s]:
             c = (a + o - 1) // cs
-            start = c * cs - 1 if a < c * cs else (a if a > 0 else -1)
+            start = (c - 1) * cs + 1 if a < c * cs else (a if a > 0 else -1)
             if o < n and (start >= 1 or not pairs):
                 packed[(s, o)] = len(packed)
                 pairs += [start, a + o]
