@@ -12,9 +12,10 @@ caching costs when nothing hits). Reported per worker, over the batch: wall time
 to first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits) and preemptions, the
 tokens each request took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's
 numerator, independent of the stats path) against the ideal (per request the system prompt rounded down to a
-block), the memory the cached states take (blocks holding a hash x bytes per block), and the engine steps of the
-batch (all, those with prefill tokens, wall time per step). Every engine captures CUDA graphs for the same
---capture-sizes.
+block), the memory the cached states take (blocks holding a hash x bytes per block), the engine steps of the
+batch (all, those with prefill tokens, wall time per step) and the Triton kernels compiled during it (a stall the
+first engine of a device run to meet a kernel pays: compare modes run in both orders, or with none). Every
+engine captures CUDA graphs for the same --capture-sizes.
 Modes: "off" (no prefix caching), "on" (the plugin's, or in-tree's default mode), and for in-tree any of
 --intree-modes (its ``mamba_cache_mode`` values, e.g. "align"; vLLM 0.26 also has "all"). A job's optional
 third field sets vLLM's block size (``intree:on:256``): vLLM 0.26's in-tree "all" mode needs a multiple of the
@@ -78,6 +79,25 @@ def record_steps(llm):
     return steps
 
 
+def record_compiles():
+    """A list that gets the name of every Triton kernel this process compiles from now on (Triton's compile hook,
+    as tests/kernels/cuda/test_warmup.py uses it): a compile during the timed batch is a stall the start-up
+    warm-up should have taken, and it lands on whichever engine of a device run meets the kernel first. None
+    without the hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    compiled, previous = [], knobs.runtime.jit_post_compile_hook
+
+    def hook(**kw):
+        compiled.append(getattr(kw.get("fn"), "name", "?"))
+        return previous(**kw) if previous else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return compiled
+
+
 def worker(job: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -115,11 +135,11 @@ def worker(job: dict) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=system + [5])], params, use_tqdm=False)  # fills the cache
     block = llm.llm_engine.vllm_config.cache_config.block_size
     before = metric_totals(llm)
-    steps = record_steps(llm)
+    steps, compiled = record_steps(llm), record_compiles()
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    steps = None if steps is None else list(steps)
+    steps, compiled = (None if x is None else list(x) for x in (steps, compiled))
     after = metric_totals(llm)
     new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     count = after.get("ttft", (0, 0.0))[0] - before.get("ttft", (0, 0.0))[0]
@@ -147,7 +167,8 @@ def worker(job: dict) -> dict:
                 cached_state_bytes=cached_state_bytes(llm),
                 steps=None if steps is None else len(steps),
                 prefill_steps=None if steps is None else sum(1 for t, r in steps if t > r),
-                mean_step_ms=round(1000 * wall / len(steps), 2) if steps else None)
+                mean_step_ms=round(1000 * wall / len(steps), 2) if steps else None,
+                compiles_in_batch=None if compiled is None else sorted(set(compiled)))
 
 
 def main() -> None:
