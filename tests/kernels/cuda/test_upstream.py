@@ -37,11 +37,12 @@ def test_launch_path_install_failure_falls_back_with_a_warning(monkeypatch, capl
     fake = {name: types.ModuleType(name) for name in (
         "causal_conv1d_cuda", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
         "mamba_ssm.ops.triton.layernorm_gated", "mamba_ssm.ops.triton.selective_state_update",
-        "mamba_ssm.ops.triton.ssd_combined")}
+        "mamba_ssm.ops.triton.ssd_chunk_state", "mamba_ssm.ops.triton.ssd_combined")}
     fake["causal_conv1d_cuda"].causal_conv1d_fwd = fake["causal_conv1d_cuda"].causal_conv1d_update = object()
     fake["mamba_ssm.ops.triton.layernorm_gated"]._layer_norm_fwd = object()
     ssu = fake["mamba_ssm.ops.triton.selective_state_update"]
     ssu._selective_scan_update_kernel, ssu.selective_state_update = object(), object()
+    fake["mamba_ssm.ops.triton.ssd_chunk_state"].chunk_state_varlen = object()
     fake["mamba_ssm.ops.triton.ssd_combined"]._mamba_chunk_scan_combined_fwd = object()
     for name, mod in fake.items():
         monkeypatch.setitem(sys.modules, name, mod)
