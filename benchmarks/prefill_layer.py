@@ -148,7 +148,7 @@ def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1, bloc
 
 
 def fresh_pools(step, dtype, dev):
-    return [p.to(dev, dtype) for p in step["pools"]]
+    return [p.to(dev, dtype, copy=True) for p in step["pools"]]  # a copy on any device: layers write into them
 
 
 def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
@@ -177,7 +177,13 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
         layer.conv_ssm_forward(step["projected"], out)
         return out
 
+    def first_layer():  # a step as the engine starts it: a fresh metadata build, then a layer planning from it
+        holder[0] = builder.build(0, cam)
+        layer.conv_ssm_forward(step["projected"], out)
+        return out
+
     run.build = lambda: builder.build(0, cam)  # for --host-profile: where the per-step metadata build's time goes
+    run.first_layer = first_layer  # for --host-profile's sync check: the per-step plans are built here, once
     return run, build_us
 
 
@@ -284,10 +290,12 @@ def measure(run, dev, iters: int, rows: int):
 
 
 def host_profile(run, dev, iters: int, rows: int) -> str:
-    """Where one layer's host time goes. (1) Synchronising CUDA calls: the call runs once under torch's sync debug
-    mode "error", which raises at the first operation that waits for the GPU (a host time that grows with the
-    device time would mean one); (2) cProfile of ``iters`` calls: Python functions by own and by cumulative time
-    (cProfile's overhead inflates every call alike); (3) the same for the plugin's per-step metadata build."""
+    """Where one layer's host time goes. (1) Synchronising CUDA calls: a step's metadata build and first layer
+    (which builds the step's plans; ``run.first_layer`` where the runner has one, else a layer) run once under
+    torch's sync debug mode "error", which raises at the first operation that waits for the GPU: one would stall
+    the host on the previous step's GPU work at every step, undoing the engine's overlap of the two; (2) cProfile
+    of ``iters`` calls: Python functions by own and by cumulative time (cProfile's overhead inflates every call
+    alike); (3) the same for the plugin's per-step metadata build."""
     import cProfile
     import pstats
 
@@ -295,9 +303,11 @@ def host_profile(run, dev, iters: int, rows: int) -> str:
     if dev.type == "cuda":
         sync(dev)
         torch.cuda.set_sync_debug_mode("error")
+        first = getattr(run, "first_layer", None)
         try:
-            run()
-            lines.append("sync debug: no synchronising CUDA call in one layer")
+            (first or run)()
+            lines.append("sync debug: no synchronising CUDA call in "
+                         + ("a step's metadata build and first layer" if first else "one layer"))
         except RuntimeError:
             lines.append("sync debug: SYNCHRONISING CALL:\n" + "".join(traceback.format_exc().splitlines(True)[-14:]))
         finally:

@@ -45,3 +45,21 @@ def test_without_blocks_each_request_owns_one_slot():
     holder = [None]
     prefill_layer.plugin_runner(layer, step, torch.device("cpu"), holder)
     assert not layer.prefix_caching
+
+
+def test_a_steps_first_layer_builds_its_metadata_afresh_and_computes_the_same_layer():
+    """``run.first_layer`` (--host-profile's sync check): a new metadata build, then the layer; the same output as
+    the layer on the runner's own metadata, from identical pools."""
+    layer = _layer()
+    step = prefill_layer.make_step(layer, 1, [300, 600], [True, False], torch.float32, torch.device("cpu"),
+                                   block=256, resume_context=100)
+    holder = [None]
+    run, _ = prefill_layer.plugin_runner(layer, step, torch.device("cpu"), holder)
+    outs, metas = [], []
+    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]), torch.no_grad():
+        for fn in (run, run.first_layer):
+            layer.kv_cache = prefill_layer.fresh_pools(step, torch.float32, torch.device("cpu"))
+            outs.append(fn().clone())
+            metas.append(holder[0])
+    assert metas[0] is not metas[1] and metas[1].boundary_offsets_p == metas[0].boundary_offsets_p
+    assert torch.equal(outs[0], outs[1])
