@@ -69,6 +69,15 @@ def resume_path(request, kern, monkeypatch):
     return SimpleNamespace(name=request.param, calls=calls)
 
 
+def record_chunk_state_varlen(kern, monkeypatch):
+    """The cu_seqlens length (2 per boundary state asked: ``varlen_plan._packed_pairs``) of every
+    chunk_state_varlen the wrappers launch themselves (not the one inside mamba-ssm's forward)."""
+    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
+    launched, real = [], ns.chunk_state_varlen
+    monkeypatch.setattr(ns, "chunk_state_varlen", lambda *a: (launched.append(a[4].numel()), real(*a))[1])
+    return launched
+
+
 def record_conv_launches(monkeypatch):
     """The data pointers of the inputs of every causal-conv1d forward the wrapper launches (x's own pointer:
     read in place; anything else: a staging buffer or a slice)."""

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
-from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, case, cu_of, flags_of, gen, garbage_states, rnd,
-                          ssd_inputs, tol)
+from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, case, cu_of, flags_of, gen, garbage_states,
+                          record_chunk_state_varlen, rnd, ssd_inputs, tol)
 from fakes import FAKE_KERNELS
 from vllm_mamba2_plugin.kernels import cuda as ck
 from vllm_mamba2_plugin.kernels import reference as ref
@@ -250,9 +250,7 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
     as the mixer runs it), an empty flagged sequence (keeps its state) and padding tokens after the last one.
     Against the reference, sequence by sequence."""
     c = case(kern, name)
-    ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
-    calls, real = [], ns.ssd_fwd
-    monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), real(x, *a, **kw))[1])
+    calls, _ = _count_calls(kern, monkeypatch)
     lens = [21, 30, 0, 25, 32, 17]
     pad = 5
     x, dt_raw, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11, pad=pad)
@@ -324,10 +322,9 @@ def test_ssd_boundary_states_of_a_continued_prompt_come_from_the_packed_call(ker
 def _count_calls(kern, monkeypatch):
     """Lists that record each SSD forward's (batch, length) and each chunk_state_varlen's bounds count."""
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
-    calls, varlen, ssd, csv = [], [], ns.ssd_fwd, ns.chunk_state_varlen
+    calls, ssd = [], ns.ssd_fwd
     monkeypatch.setattr(ns, "ssd_fwd", lambda x, *a, **kw: (calls.append(tuple(x.shape[:2])), ssd(x, *a, **kw))[1])
-    monkeypatch.setattr(ns, "chunk_state_varlen", lambda *a: (varlen.append(a[4].numel()), csv(*a))[1])
-    return calls, varlen
+    return calls, record_chunk_state_varlen(kern, monkeypatch)
 
 
 def _random_prefix_caching_step(rng, cs):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cuda_helpers import kern  # noqa: F401  (fixtures)
-from cuda_helpers import BF16, F32, gen, record_conv_launches, rnd, _mixer_layer
+from cuda_helpers import BF16, F32, gen, record_chunk_state_varlen, record_conv_launches, rnd, _mixer_layer
 from fakes import FAKE_KERNELS
 from vllm_mamba2_plugin.kernels import cuda as ck
 from vllm_mamba2_plugin.kernels import reference as ref
@@ -146,8 +146,7 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
         return real(x, *a, **kw)
 
     monkeypatch.setattr(ns, "ssd_fwd", recorded)
-    varlen, csv = [], ns.chunk_state_varlen
-    monkeypatch.setattr(ns, "chunk_state_varlen", lambda *a: (varlen.append(a[4].numel()), csv(*a))[1])
+    varlen = record_chunk_state_varlen(kern, monkeypatch)
     projected = torch.zeros(profile_tokens, layer.projection_width, device=kern.dev, dtype=F32)
     warmup.warm_prefill(layer, projected)
     plain = list(calls)
