@@ -89,6 +89,8 @@ def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
     from vllm.v1.worker import mamba_utils
 
+    # vLLM's own function, also where an engine of an earlier test in this process installed patch 3 over it
+    monkeypatch.setattr(mamba_utils, "collect_mamba_copy_meta", _vllms(mamba_utils.collect_mamba_copy_meta))
     by_type = hasattr(mamba_utils, "_get_mamba_spec_for_layer")  # 0.32 looks the functions up by Mamba type
     if by_type:
         monkeypatch.setattr(mamba_utils, "_get_mamba_spec_for_layer", lambda g, n: SimpleNamespace(mamba_type="m2"))
@@ -106,6 +108,13 @@ def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
 
     req = SimpleNamespace(block_ids=[[4, 7, 1, 8, 2]])
     return mamba_utils, cfg, ctx, bufs, req, {"m2": funcs} if by_type else funcs
+
+
+def _vllms(fn):
+    """The function behind every patch installed over ``fn`` (``__wrapped__`` chain)."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
 
 
 def _install(monkeypatch, mamba_utils):
@@ -195,3 +204,66 @@ def test_the_model_keeps_vllms_copy_specs():
     assert tuple(Mamba2PluginForCausalLM.get_mamba_state_copy_func()) == (get_conv_copy_spec, get_temporal_copy_spec)
     assert {tuple(f) for f in Mamba2PluginForCausalLM.get_mamba_state_copy_funcs(["m2"]).values()} == {
         (get_conv_copy_spec, get_temporal_copy_spec)}
+
+
+# ---- patch 4: a prompt's last prefill chunk runs to the prompt's end ---------------------------------------------
+
+@pytest.mark.parametrize("start, new, want", [
+    (0, 2200, 2200),     # the whole prompt: no stop at its last boundary (vLLM's would end it at 2048)
+    (0, 1500, 1280),     # ends inside the prompt: on the last boundary within the chunk
+    (2048, 152, 152),    # the prompt's tail
+    (1280, 200, 0),      # no boundary within: wait for a step with room
+    (1300, 100, 100),    # began inside a block (a chunk that ran as the budget gave it): runs on
+    (2200, 1, 1),        # decode
+])
+def test_prefill_chunks_end_on_boundaries_or_the_prompts_end(start, new, want):
+    assert patches.prefill_chunk(start, new, prefill_end=2200, block=256, budget=8192) == want
+
+
+def test_a_block_longer_than_the_budget_runs_as_the_budget_gives_it():
+    assert patches.prefill_chunk(0, 512, prefill_end=4000, block=1024, budget=512) == 512
+
+
+def _scheduler_stub(specs):
+    return SimpleNamespace(cache_config=SimpleNamespace(block_size=256), max_num_scheduled_tokens=8192,
+                           kv_cache_config=SimpleNamespace(
+                               kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec) for spec in specs]))
+
+
+def _plugin_spec():
+    import torch
+
+    from vllm_mamba2_plugin.spec import Mamba2StateSpec
+
+    return Mamba2StateSpec(shapes=((3, 40), (4, 6, 8)), dtypes=(torch.float32,) * 2, block_size=256)
+
+
+def test_plugin_schedulers_take_the_plugins_chunks_and_others_vllms(monkeypatch):
+    """patch 4 on the scheduler: the plugin's rule for a scheduler of the plugin's states, from the request's
+    computed tokens plus the hit ones; any other scheduler (another Mamba spec, a mix, no groups) goes through
+    vLLM's function with its arguments."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    calls = []
+
+    def vllms(self, request, num_new_tokens, *args):
+        calls.append((num_new_tokens, args))
+        return 11
+
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", vllms)
+    monkeypatch.setattr(patches, "_installed", set())
+    patches.install_scheduler()
+    split = Scheduler._mamba_block_aligned_split
+    assert split is not vllms and split.__wrapped__ is vllms
+    ours = _plugin_spec()
+    theirs = MambaSpec(shapes=ours.shapes, dtypes=ours.dtypes, block_size=ours.block_size)
+    request = SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=2200, num_tokens=2200)
+    assert split(_scheduler_stub([ours]), request, 2200) == 2200
+    assert split(_scheduler_stub([ours]), request, 1400, 100, 56) == 1536 - 156  # after a hit of 156 tokens
+    assert calls == []
+    for specs in ([theirs], [ours, theirs], []):
+        assert split(_scheduler_stub(specs), request, 100, 7, 3) == 11
+    assert calls == [(100, (7, 3))] * 3
+    patches.install_scheduler()
+    assert Scheduler._mamba_block_aligned_split is split

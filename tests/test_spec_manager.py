@@ -1,5 +1,6 @@
 """Mamba2StateSpec is a MambaSpec (so vLLM's allocator, grouping and scheduler treat it as Mamba state) and
-its manager refuses modes the plugin does not implement."""
+its manager refuses modes the plugin does not implement, and with prefix caching keeps a block per boundary and
+turns vLLM's block-aligned prefill cut off (patches.py, 4)."""
 
 from types import SimpleNamespace
 
@@ -27,3 +28,18 @@ def test_spec_is_a_mamba_spec_with_the_state_sizes():
 def test_manager_refuses_modes_it_does_not_implement():
     with pytest.raises(ValueError, match="mamba_cache_mode 'none' and 'align'.*got 'all'"):
         Mamba2StateManager(_spec(mamba_cache_mode="all"), SimpleNamespace())
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_manager_with_prefix_caching_installs_the_unaligned_prefill_chunks(mode, monkeypatch):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_mamba2_plugin import patches
+
+    installed = []
+    monkeypatch.setattr(patches, "install_scheduler", lambda: installed.append(mode))
+    caching = mode == "align"
+    manager = Mamba2StateManager(_spec(mamba_cache_mode=mode), BlockPool(8, caching, 512), enable_caching=caching,
+                                 kv_cache_group_id=0, scheduler_block_size=512)
+    assert installed == ([mode] if caching else [])
+    assert manager.mamba_cache_mode == ("all" if caching else "none")

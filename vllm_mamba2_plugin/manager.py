@@ -4,9 +4,11 @@ Without prefix caching (mamba_cache_mode "none") vLLM's MambaManager does what t
 request owns exactly one block, which is its state slot, and the slot goes back to the pool when the request
 ends.
 
-With prefix caching the config asks vLLM for "align" (docs/prefix-caching.md): the scheduler then ends prefill
-chunks on block boundaries and the runner copies the state of the last computed token's block into the block of
-the step's last token. vLLM's align manager would leave the blocks in between null, keeping one state per
+With prefix caching the config asks vLLM for "align" (docs/prefix-caching.md): the runner then copies the state of
+the last computed token's block into the block of the step's last token, and the scheduler ends prefill chunks on
+block boundaries. vLLM's scheduler would also stop every chunk at its prompt's last boundary; the plugin's layers
+write every boundary's state wherever it falls in a step, so building this manager lets a prompt's last chunk run
+to its end (patches.py, 4). vLLM's align manager would leave the blocks in between null, keeping one state per
 scheduled chunk; this manager allocates a block for every boundary instead -- MambaManager's allocation outside
 "align", which both supported releases keep -- and frees each block once a later one holds the request's
 state, keeping its hash, so it stays a cache hit until evicted.
@@ -14,6 +16,7 @@ state, keeping its hash, so it stays a cache hit until evicted.
 
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
+from . import patches
 from .spec import Mamba2StateSpec
 
 # MambaManager's non-"align" paths: one block per block_size tokens, blocks before the last computed token freed
@@ -32,3 +35,4 @@ class Mamba2StateManager(MambaManager):
         super().__init__(kv_cache_spec, *args, **kwargs)
         if mode == "align":
             self.mamba_cache_mode = EVERY_BOUNDARY
+            patches.install_scheduler()

@@ -1,7 +1,8 @@
 """Patches of vLLM internals the plugin makes, one entry each: what, why, the releases it was verified on, and
 when to delete it. Each is idempotent, acts only on engines of the plugin's models, and says where it is installed:
 the front-end process (``Mamba2PluginConfig.verify_and_update_config``, only when the plugin serves the model),
-every process (``register()``), or the worker process (``install_worker``, when the plugin's model is built).
+every process (``register()``), the worker process (``install_worker``, when the plugin's model is built), or the
+engine-core process (``install_scheduler``, when the plugin's state manager is built with prefix caching).
 
 1. Prompt token ids are checked against the model's vocabulary (``InputProcessor._validate_model_input``).
    What (front end): before vLLM's own checks, every prompt token id must lie in [0, vocab_size); otherwise the
@@ -40,6 +41,27 @@ every process (``register()``), or the worker process (``install_worker``, when 
    a fused kernel and never calls it.
    Delete when: vLLM's V1 runner builds these copies without a per-layer Python loop, or every supported release
    runs the plugin's model on a runner that does.
+
+4. A prompt's last prefill chunk runs to the prompt's end (``Scheduler._mamba_block_aligned_split``).
+   What: installed in the engine-core process when the plugin's state manager is built with prefix caching
+   (``install_scheduler``, from ``Mamba2StateManager``). For a scheduler whose KV-cache groups all hold the
+   plugin's state spec, ``prefill_chunk`` replaces vLLM's cut: a chunk that reaches the prompt's end keeps its
+   length; one that ends inside the prompt ends on the last block boundary within it, or, when no boundary is
+   within it, waits for a step with room (a block longer than the step budget, or a chunk that already began
+   inside a block, runs as the budget gave it). Any other scheduler goes through vLLM's function unchanged.
+   Why: vLLM's "align" mode has a state only where a chunk ends, so it also stops every chunk at the prompt's last
+   block boundary (and at shared-prefix junctions). The plugin writes the state at every boundary a step crosses,
+   wherever in the step (docs/prefix-caching.md), so that stop buys nothing, and it splits nearly every prompt in
+   two: each step then continues several prompts from their states, which takes the SSD kernels more than one
+   call per layer (``ssd_prefill``'s resume paths), where a step without caching continues one prompt, in the
+   packed call itself. Chunks inside a prompt still end on boundaries, so the next step starts on one: a step
+   that continues several prompts then finds their boundary states at chunk multiples of the calls that compute
+   them. ``benchmarks/schedule_steps.py`` shows the steps both ways (benchmarks/RESULTS.md).
+   Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py``, ``tests/benchmarks/test_schedule_steps.py``, the
+   prefix-caching engine tests and the serving harness). The same method and signature in 0.26.0, whose
+   scheduler ``benchmarks/schedule_steps.py`` also runs on the CPU.
+   Delete when: a Mamba spec can tell vLLM's scheduler that its states are kept at every boundary, in every
+   supported release.
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs
@@ -62,6 +84,13 @@ def install_worker() -> None:
     if "state_moves" not in _installed:
         _batch_state_moves()
         _installed.add("state_moves")
+
+
+def install_scheduler() -> None:
+    """The patches of the engine-core process: called when the plugin's state manager is built with caching."""
+    if "prefill_chunks" not in _installed:
+        _prefill_chunks_to_prompt_ends()
+        _installed.add("prefill_chunks")
 
 
 def out_of_vocabulary(token_ids, vocab_size: int):
@@ -127,3 +156,47 @@ def _batch_state_moves() -> None:
 
     collect_mamba_copy_meta.__wrapped__ = original
     mamba_utils.collect_mamba_copy_meta = collect_mamba_copy_meta
+
+
+def prefill_chunk(start: int, num_new_tokens: int, prefill_end: int, block: int, budget: int) -> int:
+    """Patch 4's chunk: the tokens to schedule of a request whose prefill runs from ``start`` to ``prefill_end``,
+    given ``num_new_tokens`` by the budget (0: wait for a later step)."""
+    end = start + num_new_tokens
+    if end >= prefill_end:
+        return num_new_tokens
+    aligned = end // block * block
+    if aligned > start:
+        return aligned - start
+    return num_new_tokens if block > budget or start % block else 0
+
+
+def serves_only_plugin_states(scheduler) -> bool:
+    """Every KV-cache group of ``scheduler`` holds the plugin's state spec (remembered on the scheduler)."""
+    known = scheduler.__dict__.get("_mamba2_plugin_only")
+    if known is None:
+        from .spec import Mamba2StateSpec
+
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        known = bool(groups) and all(isinstance(g.kv_cache_spec, Mamba2StateSpec) for g in groups)
+        scheduler.__dict__["_mamba2_plugin_only"] = known
+    return known
+
+
+def _prefill_chunks_to_prompt_ends() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._mamba_block_aligned_split
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        if not serves_only_plugin_states(self):
+            return original(self, request, num_new_tokens, num_new_local_computed_tokens,
+                            num_external_computed_tokens)
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        # vLLM's prefill end: `num_tokens - 1` covers a preempted request replaying its output tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        return prefill_chunk(start, num_new_tokens, prefill_end, self.cache_config.block_size,
+                             self.max_num_scheduled_tokens)
+
+    _mamba_block_aligned_split.__wrapped__ = original
+    Scheduler._mamba_block_aligned_split = _mamba_block_aligned_split

@@ -135,8 +135,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
 def boundary_layouts(chunk_size: int, tokens: int) -> list:
     """(sequence lengths, resumes-a-state flags, boundary offsets) of the prefix-caching steps ``warm_prefill`` also
     runs when the engine caches prefixes, within the step budget ``tokens``: the calls that give the states at
-    block boundaries (``ssd_prefill._boundary_states``). vLLM's "align" scheduling starts a step on a block
-    boundary while the block fits the budget; vLLM 0.32 may start one inside a block when it does not. The packed
+    block boundaries (``ssd_prefill._boundary_states``). A prompt's chunk starts on a block boundary while the
+    block fits the budget, and may start inside one when it does not (patches.py, 4). The packed
     call serves both alike; a second pass up to an offset inside a chunk (a resumed sequence under the
     correction) compiles at its first use.
 

@@ -1,0 +1,213 @@
+"""The steps vLLM's scheduler makes for prefix_cache.py's workloads, and the prefill path the plugin takes in each.
+
+    python benchmarks/schedule_steps.py --model 2.7b --workload misses          # caching off and on, vLLM 0.32
+    PYTHONPATH=<an unpacked vLLM 0.26 wheel> python benchmarks/schedule_steps.py --model 2.7b    # 0.26, CPU too
+    python benchmarks/schedule_steps.py --model 2.7b --caching on --vllm-cut     # vLLM's own "align" cut
+
+No model and no GPU: vLLM's own ``Scheduler`` with the plugin's state spec and cache manager, fed the workload of
+``prefix_cache.py`` (same seed, lengths and engine limits) and a stand-in model that samples one token whenever a
+request has computed all its tokens. It answers "does caching change the steps?" in seconds, on either supported
+vLLM: under 0.26, put an unpacked 0.26 wheel's python first on PYTHONPATH; the script then selects vLLM's CPU
+platform itself (the wheel's CUDA build would find no device).
+
+Each step's prefill block goes, in the order vLLM's runner puts it (sequences that continue a prompt, then fresh
+prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's own step planning
+(``varlen_plan.build_plan`` and, with caching, ``boundary_plan``). Reported per run: steps, steps with prefill,
+their prefill tokens, prefill sequences per step, how often each resume path of ``ssd_prefill`` is taken (none /
+native / rerun / rows / correction), the SSD forward calls per layer that implies, and the steps whose boundary
+states need a second pass. ``--vllm-cut`` shows the steps vLLM's own "align" cut would make instead (chunks also
+stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
+"""
+
+import argparse
+import json
+import os
+import sys
+import types
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import vllm  # noqa: E402
+
+if vllm.__version__.startswith("0.26"):  # the CUDA wheel's sources on a machine without CUDA
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+
+from throughput import write_config  # noqa: E402  (the shared model shapes)
+
+
+def make_scheduler(model_dir: str, caching: bool, args):
+    """vLLM's Scheduler as EngineCore builds it, with the plugin's spec and manager for every layer."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import vllm_mamba2_plugin
+    from vllm_mamba2_plugin import compat
+    from vllm_mamba2_plugin.spec import Mamba2StateSpec, state_shapes
+
+    vllm_mamba2_plugin.register()
+    max_len = -(-(args.system + args.suffix_max + args.new + 16) // 128) * 128
+    cfg = EngineArgs(model=model_dir, skip_tokenizer_init=True, load_format="dummy", max_model_len=max_len,
+                     enable_prefix_caching=caching, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens).create_engine_config()
+    hf = cfg.model_config.hf_config
+    if caching:  # the KV block the plugin's config chose (EngineCore later sets it from the spec)
+        cfg.cache_config.block_size = cfg.cache_config.mamba_block_size
+    spec = compat.make_state_spec(Mamba2StateSpec, shapes=state_shapes(hf),
+                                  dtypes=compat.state_dtypes(cfg.model_config, cfg.cache_config),
+                                  vllm_config=cfg, mamba_type=compat.plugin_mamba_type())
+    layers = [f"backbone.layers.{i}.mixer" for i in range(hf.num_hidden_layers)]
+    kv = KVCacheConfig(num_blocks=args.num_blocks, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    cfg.cache_config.num_gpu_blocks = args.num_blocks
+    cfg.cache_config.block_size = spec.block_size
+    block, hash_block = resolve_kv_cache_block_sizes(kv, cfg)
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(cfg),
+                      block_size=block, hash_block_size=hash_block, log_stats=True)
+    hasher = None
+    if caching:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        hasher = get_request_block_hasher(hash_block, fn)
+    if caching and args.vllm_cut:  # vLLM's own block-aligned cut, which the plugin's manager turned off
+        cut = Scheduler._mamba_block_aligned_split
+        sched._mamba_block_aligned_split = types.MethodType(getattr(cut, "__wrapped__", cut), sched)
+    return sched, hasher, hf, spec.block_size if caching else 0
+
+
+def prompts_of(args, vocab: int):
+    """prefix_cache.py's workload: the cache-filling request, then the batch."""
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, vocab, (args.system,), generator=g).tolist()
+    lens = torch.randint(args.suffix_min, args.suffix_max + 1, (args.requests,), generator=g).tolist()
+    batch = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    if args.workload == "misses":
+        batch = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in batch]
+    return [system + [5]], batch
+
+
+def prefill_block(sched, out):
+    """(computed, scheduled) of the step's prefill sequences, continuing ones first (vLLM's runner order)."""
+    rows = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        done = req.num_computed_tokens - n  # the scheduler has advanced it already
+        if done < req.num_prompt_tokens and n > 1 or done == 0:
+            rows.append((done, n))
+    return sorted(rows, key=lambda r: r[0] == 0)
+
+
+def plan_of(rows, chunk: int, block: int) -> dict:
+    """The plugin's plan of one prefill block: resume path, SSD forward calls per layer, second pass."""
+    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
+
+    cu = torch.tensor([0] + [n for _, n in rows]).cumsum(0)
+    flags = torch.tensor([c > 0 for c, _ in rows])
+    plan = varlen_plan.build_plan(cu, flags, True, int(cu[-1]), chunk, (), torch.device("cpu"))
+    path = plan.resume_path(True, True)
+    calls = {"none": 1, "native": 1, "correction": 1, "rerun": 1 + len(plan.resumed),
+             "rows": 1 + (len(plan.resumed) < len(plan.nonempty))}[path]
+    second = False
+    if block:
+        offsets = [[(b + 1) * block - c for b in range(c // block, (c + n) // block)] for c, n in rows]
+        second = varlen_plan.boundary_plan(plan, offsets, chunk, True, True).rest is not None
+    return dict(path=path, calls=calls + second, second_pass=second)
+
+
+def run(sched, hasher, batch, tag, params, chunk, block):
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    for i, p in enumerate(batch):
+        sched.add_request(Request(f"{tag}{i}", p, params, None, block_hasher=hasher))
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        rows = prefill_block(sched, out)
+        if rows:
+            steps.append(dict(tokens=out.total_num_scheduled_tokens, prefill=len(rows),
+                              prefill_tokens=sum(n for _, n in rows), **plan_of(rows, chunk, block)))
+        elif ids:
+            steps.append(dict(tokens=out.total_num_scheduled_tokens, prefill=0))
+        done = [r for r in ids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
+        sampled = [[7] if r in done else [] for r in ids]
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=sampled))
+    return steps
+
+
+def summary(steps, caching: bool, args) -> dict:
+    pre = [s for s in steps if s["prefill"]]
+    return dict(vllm=vllm.__version__, model=args.model, workload=args.workload, caching=caching,
+                vllm_cut=caching and args.vllm_cut, steps=len(steps),
+                prefill_steps=len(pre), prefill_tokens=sum(s["prefill_tokens"] for s in pre),
+                prefill_seqs_per_step=round(sum(s["prefill"] for s in pre) / max(len(pre), 1), 2),
+                paths=dict(Counter(s["path"] for s in pre)),
+                ssd_calls_per_layer=round(sum(s["calls"] for s in pre) / max(len(pre), 1), 2),
+                second_pass_steps=sum(s["second_pass"] for s in pre))
+
+
+def measure(args) -> list:
+    """One summary per caching mode of ``args.caching``."""
+    from vllm import SamplingParams
+
+    root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"schedule_steps-{os.getpid()}")
+    os.makedirs(root, exist_ok=True)
+    model_dir = write_config(args.model, root)
+    if args.chunk_size:
+        path = os.path.join(model_dir, "config.json")
+        cfg = dict(json.load(open(path)), chunk_size=args.chunk_size)
+        json.dump(cfg, open(path, "w"))
+    params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+    results = []
+    for mode in args.caching.split(","):
+        sched, hasher, hf, block = make_scheduler(model_dir, mode == "on", args)
+        fill, batch = prompts_of(args, hf.vocab_size)
+        run(sched, hasher, fill, "fill", params, hf.chunk_size, block)
+        results.append(summary(run(sched, hasher, batch, "r", params, hf.chunk_size, block), mode == "on", args))
+    return results
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="2.7b")
+    ap.add_argument("--chunk-size", type=int, default=0, help="override the shape's SSD chunk (= the block)")
+    ap.add_argument("--workload", choices=["hits", "misses"], default="misses")
+    ap.add_argument("--caching", default="off,on")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--suffix-min", type=int, default=64)
+    ap.add_argument("--suffix-max", type=int, default=256)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-blocks", type=int, default=4096, help="state blocks in the pool")
+    ap.add_argument("--vllm-cut", action="store_true", help="with caching, let vLLM's scheduler cut prefill chunks "
+                    "at block boundaries as its \"align\" mode does (the plugin turns that off: patches.py, 4)")
+    ap.add_argument("--out", default=None, help="append one JSON line per run here")
+    return ap
+
+
+def main():
+    args = parser().parse_args()
+    for result in measure(args):
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
