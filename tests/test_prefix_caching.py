@@ -167,6 +167,19 @@ def test_a_block_of_two_chunks(model_dirs, oracles):
     assert cached == [16]
 
 
+def test_a_block_longer_than_the_step_budget(model_dirs, oracles):
+    """Blocks of 4 chunks (16 tokens) and 8-token steps: no step can reach the next boundary from a boundary, so
+    prefill chunks start and end inside blocks (patches.py, 4), and every boundary's state is still written where
+    it falls in a step: hits at the deepest shared boundary, exact."""
+    llm = make_llm(model_dirs["g8_bias"], enable_prefix_caching=True, max_num_batched_tokens=8, block_size=16)
+    assert llm.llm_engine.vllm_config.cache_config.mamba_block_size == 16
+    prompts = _shared_prefix_prompts(40, [3, 9], 500, seed=29)
+    _generate(llm, prompts[:1])
+    tokens, cached = _generate(llm, prompts[1:])
+    _assert_exact(oracles["g8_bias"], prompts[1:], tokens)
+    assert cached == [32]
+
+
 def test_bf16_weights_and_states_with_cache_hits(model_dirs, oracles):
     """bf16 weights and bf16 states: the cached boundary states are stored in bf16 like every state, so tokens are
     compared check_logprobs_close-style (where the greedy tokens first differ, each side's token is in the
