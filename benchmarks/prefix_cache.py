@@ -98,6 +98,32 @@ def record_compiles():
     return compiled
 
 
+def workload_prompts(spec: dict, vocab: int, g):
+    """(system prompt, suffix lengths, the batch's prompts) of a workload (``spec``: workload, requests, system,
+    suffix_min, suffix_max), drawn from the generator ``g``; benchmarks/schedule_steps.py replays the same."""
+    import torch
+
+    system = torch.randint(3, vocab, (spec["system"],), generator=g).tolist()
+    lens = torch.randint(spec["suffix_min"], spec["suffix_max"] + 1, (spec["requests"],), generator=g).tolist()
+    prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    if spec["workload"] == "misses":  # the same lengths, nothing shared: what caching costs when nothing hits
+        prompts = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
+    return system, lens, prompts
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's and the engine limits' options (benchmarks/schedule_steps.py takes the same)."""
+    ap.add_argument("--workload", default="hits", choices=["hits", "misses"],
+                    help="hits: every request shares the system prompt; misses: the same lengths, nothing shared")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--suffix-min", type=int, default=64)
+    ap.add_argument("--suffix-max", type=int, default=256)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+
+
 def worker(job: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -105,11 +131,7 @@ def worker(job: dict) -> dict:
 
     g = torch.Generator().manual_seed(0)
     vocab = job["vocab"]
-    system = torch.randint(3, vocab, (job["system"],), generator=g).tolist()
-    lens = torch.randint(job["suffix_min"], job["suffix_max"] + 1, (job["requests"],), generator=g).tolist()
-    prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-    if job["workload"] == "misses":  # the same lengths, nothing shared: what caching costs when nothing hits
-        prompts = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
+    system, lens, prompts = workload_prompts(job, vocab, g)
     # A multiple of 128: vLLM 0.26's in-tree "all" mode sizes its FULL-graph decode buffer cdiv(max_model_len, 16)
     # blocks wide and copies the block table (rounded up to 8 columns) into it, so other lengths crash at capture.
     max_model_len = -(-(job["system"] + job["suffix_max"] + job["new"] + 16) // 128) * 128
@@ -181,15 +203,7 @@ def main() -> None:
                     "e.g. plugin:off,plugin:on,intree:on:256,intree:align")
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32,64,128,256",
                     help="CUDA-graph capture sizes of every engine; empty: vLLM's default list")
-    ap.add_argument("--workload", default="hits", choices=["hits", "misses"],
-                    help="hits: every request shares the system prompt; misses: the same lengths, nothing shared")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--system", type=int, default=2048)
-    ap.add_argument("--suffix-min", type=int, default=64)
-    ap.add_argument("--suffix-max", type=int, default=256)
-    ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_workload_args(ap)
     ap.add_argument("--profile", default=None, help="also profile a second batch (new suffixes) of every worker "
                     "into DIR/<impl>-<mode>[-b<block size>]/ (benchmarks/trace_steps.py reads it)")
     ap.add_argument("--logs", default=None, help="write each worker's output (vLLM's log: start-up phases, Triton "

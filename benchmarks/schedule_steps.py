@@ -39,6 +39,7 @@ if vllm.__version__.startswith("0.26"):  # the CUDA wheel's sources on a machine
 
     vllm.platforms._current_platform = CpuPlatform()
 
+from prefix_cache import add_workload_args, workload_prompts  # noqa: E402  (the same workloads)
 from throughput import write_config  # noqa: E402  (the shared model shapes)
 
 
@@ -88,12 +89,7 @@ def make_scheduler(model_dir: str, caching: bool, args):
 
 def prompts_of(args, vocab: int):
     """prefix_cache.py's workload: the cache-filling request, then the batch."""
-    g = torch.Generator().manual_seed(0)
-    system = torch.randint(3, vocab, (args.system,), generator=g).tolist()
-    lens = torch.randint(args.suffix_min, args.suffix_max + 1, (args.requests,), generator=g).tolist()
-    batch = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-    if args.workload == "misses":
-        batch = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in batch]
+    system, _, batch = workload_prompts(vars(args), vocab, torch.Generator().manual_seed(0))
     return [system + [5]], batch
 
 
@@ -184,15 +180,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="2.7b")
     ap.add_argument("--chunk-size", type=int, default=0, help="override the shape's SSD chunk (= the block)")
-    ap.add_argument("--workload", choices=["hits", "misses"], default="misses")
+    add_workload_args(ap)
+    ap.set_defaults(workload="misses")
     ap.add_argument("--caching", default="off,on")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--system", type=int, default=2048)
-    ap.add_argument("--suffix-min", type=int, default=64)
-    ap.add_argument("--suffix-max", type=int, default=256)
-    ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=4096, help="state blocks in the pool")
     ap.add_argument("--vllm-cut", action="store_true", help="with caching, let vLLM's scheduler cut prefill chunks "
                     "at block boundaries as its \"align\" mode does (the plugin turns that off: patches.py, 4)")

@@ -156,28 +156,20 @@ def test_preemption_of_requests_with_cached_prefixes(model_dirs, oracles):
     assert metrics["vllm:prefix_cache_hits"].value > 0
 
 
-def test_a_block_of_two_chunks(model_dirs, oracles):
-    """--block-size a multiple of the chunk (here 2 chunks): hits at its boundaries only, still exact."""
-    llm = make_llm(model_dirs["g8_bias"], enable_prefix_caching=True, max_num_batched_tokens=16, block_size=8)
-    assert llm.llm_engine.vllm_config.cache_config.mamba_block_size == 8
-    prompts = _shared_prefix_prompts(19, [2, 6], 500, seed=23)
+@pytest.mark.parametrize("block, budget, system_len, hit", [(8, 16, 19, 16), (16, 8, 40, 32)],
+                         ids=["block-of-two-chunks", "block-longer-than-the-step-budget"])
+def test_blocks_of_several_chunks(block, budget, system_len, hit, model_dirs, oracles):
+    """--block-size a multiple of the chunk (4 tokens here): hits at its boundaries only, still exact. With blocks
+    longer than the step budget no step can reach the next boundary from a boundary, so prefill chunks start and
+    end inside blocks (patches.py, 4), and every boundary's state is still written where it falls in a step."""
+    llm = make_llm(model_dirs["g8_bias"], enable_prefix_caching=True, max_num_batched_tokens=budget,
+                   block_size=block)
+    assert llm.llm_engine.vllm_config.cache_config.mamba_block_size == block
+    prompts = _shared_prefix_prompts(system_len, [2, 6], 500, seed=23)
     _generate(llm, prompts[:1])
     tokens, cached = _generate(llm, prompts[1:])
     _assert_exact(oracles["g8_bias"], prompts[1:], tokens)
-    assert cached == [16]
-
-
-def test_a_block_longer_than_the_step_budget(model_dirs, oracles):
-    """Blocks of 4 chunks (16 tokens) and 8-token steps: no step can reach the next boundary from a boundary, so
-    prefill chunks start and end inside blocks (patches.py, 4), and every boundary's state is still written where
-    it falls in a step: hits at the deepest shared boundary, exact."""
-    llm = make_llm(model_dirs["g8_bias"], enable_prefix_caching=True, max_num_batched_tokens=8, block_size=16)
-    assert llm.llm_engine.vllm_config.cache_config.mamba_block_size == 16
-    prompts = _shared_prefix_prompts(40, [3, 9], 500, seed=29)
-    _generate(llm, prompts[:1])
-    tokens, cached = _generate(llm, prompts[1:])
-    _assert_exact(oracles["g8_bias"], prompts[1:], tokens)
-    assert cached == [32]
+    assert cached == [hit]
 
 
 def test_bf16_weights_and_states_with_cache_hits(model_dirs, oracles):
