@@ -61,8 +61,6 @@ def make_scheduler(model_dir: str, caching: bool, args):
                      enable_prefix_caching=caching, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens).create_engine_config()
     hf = cfg.model_config.hf_config
-    if caching:  # the KV block the plugin's config chose (EngineCore later sets it from the spec)
-        cfg.cache_config.block_size = cfg.cache_config.mamba_block_size
     spec = compat.make_state_spec(Mamba2StateSpec, shapes=state_shapes(hf),
                                   dtypes=compat.state_dtypes(cfg.model_config, cfg.cache_config),
                                   vllm_config=cfg, mamba_type=compat.plugin_mamba_type())
@@ -70,7 +68,7 @@ def make_scheduler(model_dir: str, caching: bool, args):
     kv = KVCacheConfig(num_blocks=args.num_blocks, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     cfg.cache_config.num_gpu_blocks = args.num_blocks
-    cfg.cache_config.block_size = spec.block_size
+    cfg.cache_config.block_size = spec.block_size  # as EngineCore sets it: the groups' block
     block, hash_block = resolve_kv_cache_block_sizes(kv, cfg)
     sched = Scheduler(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(cfg),
                       block_size=block, hash_block_size=hash_block, log_stats=True)
