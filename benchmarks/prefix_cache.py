@@ -8,11 +8,12 @@ in-tree runs with VLLM_PLUGINS=""). Models: random weights in the shapes of benc
 a random system prompt of --system tokens; one request with it first (it fills the cache), then --requests
 requests, each the system prompt and a unique suffix of --suffix-min..--suffix-max tokens, submitted at once,
 greedy, --new tokens each (``--workload misses``: prompts of the same lengths sharing nothing, to measure what
-caching costs when nothing hits). Reported per worker, over the batch: wall time, output and total tok/s, mean time
+caching costs when nothing hits; ``mixed``: every other request so, which mixes cache hits with long prompts in
+the same steps). Reported per worker, over the batch: wall time, output and total tok/s, mean time
 to first token (vLLM's histogram), start-up time, vLLM's prefix-cache counters (queries, hits) and preemptions, the
 tokens each request took from cached states (``RequestOutput.num_cached_tokens``, summed: the hit share's
-numerator, independent of the stats path) against the ideal (per request the system prompt rounded down to a
-block), the memory the cached states take (blocks holding a hash x bytes per block), the engine steps of the
+numerator, independent of the stats path) against the ideal (per sharing request the system prompt rounded down
+to a block), the memory the cached states take (blocks holding a hash x bytes per block), the engine steps of the
 batch (all, those with prefill tokens, wall time per step) and the Triton kernels compiled during it (a stall the
 first engine of a device run to meet a kernel pays: compare modes run in both orders, or with none). Every
 engine captures CUDA graphs for the same --capture-sizes.
@@ -105,16 +106,30 @@ def workload_prompts(spec: dict, vocab: int, g):
 
     system = torch.randint(3, vocab, (spec["system"],), generator=g).tolist()
     lens = torch.randint(spec["suffix_min"], spec["suffix_max"] + 1, (spec["requests"],), generator=g).tolist()
+    return system, lens, draw_batch(spec["workload"], system, lens, vocab, g)
+
+
+def draw_batch(workload: str, system: list, lens: list, vocab: int, g) -> list:
+    """Each request the system prompt and a random suffix of its length; "misses": prompts of those lengths sharing
+    nothing (what caching costs when nothing hits); "mixed": every other request so, from the first."""
+    import torch
+
     prompts = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-    if spec["workload"] == "misses":  # the same lengths, nothing shared: what caching costs when nothing hits
-        prompts = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
-    return system, lens, prompts
+    for i in {"misses": range(len(prompts)), "mixed": range(0, len(prompts), 2)}.get(workload, ()):
+        prompts[i] = torch.randint(3, vocab, (len(prompts[i]),), generator=g).tolist()
+    return prompts
+
+
+def sharing_requests(workload: str, requests: int) -> int:
+    """The requests of a batch that share the system prompt."""
+    return {"hits": requests, "mixed": requests // 2}.get(workload, 0)
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The workload's and the engine limits' options (benchmarks/schedule_steps.py takes the same)."""
-    ap.add_argument("--workload", default="hits", choices=["hits", "misses"],
-                    help="hits: every request shares the system prompt; misses: the same lengths, nothing shared")
+    ap.add_argument("--workload", default="hits", choices=["hits", "misses", "mixed"],
+                    help="hits: every request shares the system prompt; misses: the same lengths, nothing shared; "
+                    "mixed: every other request shares it")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--suffix-min", type=int, default=64)
@@ -167,13 +182,10 @@ def worker(job: dict) -> dict:
     count = after.get("ttft", (0, 0.0))[0] - before.get("ttft", (0, 0.0))[0]
     total = after.get("ttft", (0, 0.0))[1] - before.get("ttft", (0, 0.0))[1]
     hits = after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0)
-    ideal = len(prompts) * (job["system"] // block * block) if job["workload"] == "hits" else 0
+    ideal = sharing_requests(job["workload"], len(prompts)) * (job["system"] // block * block)
     cached_tokens = sum(o.num_cached_tokens or 0 for o in outs)  # each request's own count: no stats path
     if job["profile_dir"]:  # the same workload with new suffixes (the timed ones are cached now), profiled
-        if job["workload"] == "misses":  # new prompts sharing nothing, like the timed ones
-            again = [torch.randint(3, vocab, (len(p),), generator=g).tolist() for p in prompts]
-        else:
-            again = [system + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        again = draw_batch(job["workload"], system, lens, vocab, g)
         llm.start_profile()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in again], params, use_tqdm=False)
         llm.stop_profile()

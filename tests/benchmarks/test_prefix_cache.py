@@ -21,3 +21,18 @@ def test_the_smoke_workload_hits_every_shared_block_and_reports_its_steps(tmp_pa
     assert result["ideal_hits"] == 8 * 40 // 8 * 8 and result["hit_share_of_ideal"] == 1.0, result
     assert result["prefill_steps"] >= 1 and result["steps"] > result["prefill_steps"], result
     assert result["compiles_in_batch"] in ([], None)  # no Triton kernels on the CPU path
+
+
+def test_workloads_share_the_system_prompt_as_named():
+    import torch
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import prefix_cache
+
+    spec = dict(requests=6, system=20, suffix_min=3, suffix_max=9)
+    for workload, sharing in (("hits", [1] * 6), ("misses", [0] * 6), ("mixed", [0, 1] * 3)):
+        system, lens, prompts = prefix_cache.workload_prompts(dict(spec, workload=workload), 500,
+                                                              torch.Generator().manual_seed(0))
+        assert [len(p) for p in prompts] == [20 + n for n in lens]
+        assert [int(p[:20] == system) for p in prompts] == sharing
+        assert prefix_cache.sharing_requests(workload, 6) == sum(sharing)
