@@ -14,9 +14,10 @@ Each step's prefill block goes, in the order vLLM's runner puts it (sequences th
 prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's own step planning
 (``varlen_plan.build_plan`` and, with caching, ``boundary_plan``). Reported per run: steps, steps with prefill,
 their prefill tokens, prefill sequences per step, how often each resume path of ``ssd_prefill`` is taken (none /
-native / rerun / rows / correction), the SSD forward calls per layer that implies, and the steps whose boundary
-states need a second pass. ``--vllm-cut`` shows the steps vLLM's own "align" cut would make instead (chunks also
-stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
+native / rerun / rows / correction) and how often a resumed first sequence leads the others (``VarlenPlan.lead``),
+the SSD forward calls per layer that implies (the correction counts none: it is ~40 small launches), and the
+steps whose boundary states need a second pass. ``--vllm-cut`` shows the steps vLLM's own "align" cut would make
+instead (chunks also stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
 """
 
 import argparse
@@ -110,13 +111,13 @@ def plan_of(rows, chunk: int, block: int) -> dict:
     flags = torch.tensor([c > 0 for c, _ in rows])
     plan = varlen_plan.build_plan(cu, flags, True, int(cu[-1]), chunk, (), torch.device("cpu"))
     path = plan.resume_path(True, True)
-    calls = {"none": 1, "native": 1, "correction": 1, "rerun": 1 + len(plan.resumed),
-             "rows": 1 + (len(plan.resumed) < len(plan.nonempty))}[path]
+    calls = {"none": 1, "native": 1, "correction": 1, "rerun": 1 + len(plan.others),
+             "rows": 1 + (not plan.rows_cover_all)}[path]
     second = False
     if block:
         offsets = [[(b + 1) * block - c for b in range(c // block, (c + n) // block)] for c, n in rows]
         second = varlen_plan.boundary_plan(plan, offsets, chunk, True, True).rest is not None
-    return dict(path=path, calls=calls + second, second_pass=second)
+    return dict(path=path, lead=plan.lead, calls=calls + second, second_pass=second)
 
 
 def run(sched, hasher, batch, tag, params, chunk, block):
@@ -148,7 +149,7 @@ def summary(steps, caching: bool, args) -> dict:
                 vllm_cut=caching and args.vllm_cut, steps=len(steps),
                 prefill_steps=len(pre), prefill_tokens=sum(s["prefill_tokens"] for s in pre),
                 prefill_seqs_per_step=round(sum(s["prefill"] for s in pre) / max(len(pre), 1), 2),
-                paths=dict(Counter(s["path"] for s in pre)),
+                paths=dict(Counter(s["path"] for s in pre)), lead_steps=sum(s["lead"] for s in pre),
                 ssd_calls_per_layer=round(sum(s["calls"] for s in pre) / max(len(pre), 1), 2),
                 second_pass_steps=sum(s["second_pass"] for s in pre))
 

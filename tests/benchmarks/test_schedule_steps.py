@@ -35,3 +35,10 @@ def test_hits_skip_the_shared_blocks():
     off, on = _measure("--workload", "hits")
     # every request but the ones of the first step takes the 96 shared tokens (6 blocks) from the cache
     assert off["prefill_tokens"] - on["prefill_tokens"] == pytest.approx(12 * 96, rel=0.25), (off, on)
+
+
+def test_a_mixed_workloads_continued_prompts_lead_the_cache_hits():
+    """Every other request shares the system prompt: a prompt continued from the previous step shares steps with
+    cache hits. It leads them (``VarlenPlan.lead``), so no step takes the correction or a second pass."""
+    (on,) = _measure("--workload", "mixed", "--caching", "on")
+    assert on["lead_steps"] > 0 and "correction" not in on["paths"] and on["second_pass_steps"] == 0, on

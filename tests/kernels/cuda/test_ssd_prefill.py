@@ -14,13 +14,18 @@ from vllm_mamba2_plugin.kernels import reference as ref
 from vllm_mamba2_plugin.kernels.cuda import upstream
 
 
+@pytest.mark.parametrize("first", ["leads", "fresh"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(SSD_CASES))
-def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
+def test_ssd_varlen_initial_states(kern, name, dtype, first, resume_path):
+    """Several resumed sequences among fresh ones, under each path for them. A resumed first sequence leads
+    unless all of them fit as rows: the packed call starts it from its state, and only the others take the path
+    ("fresh": all of them do)."""
     c = case(kern, name)
     cs = c.cs
     lens = [cs + 1, 1, 3 * cs + 5, max(1, cs - 1), cs]  # 1, chunk-1, chunk, chunk+1, 3*chunk+5, shuffled
-    flags = [True, True, False, True, False]  # init on a 1-token row and on long rows, garbage elsewhere
+    # init on a 1-token row and on long rows, garbage elsewhere
+    flags = [True, True, False, True, False] if first == "leads" else [False, True, True, True, False]
     x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=1)
     h0 = garbage_states(gen(2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
     cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
@@ -37,9 +42,11 @@ def test_ssd_varlen_initial_states(kern, name, dtype, resume_path):
             a, b = int(cu[s]), int(cu[s + 1])
             assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
             assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
-    # one packed call per wrapper call, plus (rerun) one per resumed sequence, of exactly its length, or (rows)
-    # one of rows as long as the longest, rounded up to 16
+    # one packed call per wrapper call, plus (rerun) one per resumed sequence but a leading one, of exactly its
+    # length, or (rows) one of rows as long as the longest of them, rounded up to 16
     resumed = [n for n, f in zip(lens, flags) if f]
+    if first == "leads" and resume_path.name != "rows":  # rows that fit take every resumed sequence: none leads
+        resumed = resumed[1:]
     rows = [-(-max(resumed) // 16) * 16]
     per_call = [sum(lens)] + {"rerun": resumed, "rows": rows, "correction": []}[resume_path.name]
     assert resume_path.calls == per_call * 2, resume_path.calls
@@ -353,6 +360,29 @@ def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_p
     c = case(kern, "tiny-g2")
     lens, flags, offsets = _random_prefix_caching_step(random.Random(seed), c.cs)
     _check_boundary_states(kern, c, lens, flags, offsets, F32, seed=20 + 3 * seed, pad=3)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
+def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch):
+    """A step of a serving mix, with the wrappers' own limits: a long prompt continued from a block boundary
+    opens the block, then four cache hits' suffixes and two fresh prompts, each crossing block boundaries. All
+    resumed ones as rows would pad too much, so the continued prompt leads (the packed call starts it from its
+    state and gives its boundary states) and the hits go as rows of one more call: two SSD calls, one
+    chunk_state_varlen, no second pass. Against the reference."""
+    c = case(kern, name)
+    cs = c.cs
+    calls, varlen = _count_calls(kern, monkeypatch)
+    hits = [cs + 3, cs // 2 + 5, cs + 9, 7]
+    lens = [5 * cs + 6] + hits + [2 * cs + 1, cs + 2]
+    flags = [True] * 5 + [False] * 2
+    offsets = [[cs * k for k in range(1, 6)]] + [[cs] if n >= cs else [] for n in hits] + [[cs, 2 * cs], [cs]]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    plan = ck.plan_prefill(cu, torch.tensor(flags), sum(lens), cs, 4, kern.dev)
+    assert plan.lead and plan.others == [1, 2, 3, 4] and plan.resume_path(True, True) == "rows"
+    _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed=41)
+    assert calls == [(1, sum(lens)), (4, -(-max(hits) // 16) * 16)], calls
+    assert len(varlen) == 1
 
 
 def test_boundary_plan_is_built_once_per_step():

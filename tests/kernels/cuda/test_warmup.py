@@ -19,22 +19,28 @@ from vllm_mamba2_plugin.kernels.cuda import decode_step, upstream, varlen_plan, 
 
 def _expected_ssd_calls(layouts, max_rerun):
     """(batch-row length, given an initial state) of each SSD forward call the prefill wrappers make for these
-    layouts (cuda.ssd_chunk_scan's dispatch): a lone resumed first sequence rides the packed call's own initial
-    state; up to max_rerun resumed sequences are rerun alone after a packed call without initial states; more go
-    as rows of one call, padded to the longest rounded up to 16, when that is at most twice their tokens and
-    at most 15 chunks (here the warm-up's lengths are all far below) -- without the packed call when every
-    sequence resumes -- else take the batched correction (one packed call)."""
+    layouts (cuda.ssd_chunk_scan's dispatch): every sequence resumes and fits as rows of one call (padded to the
+    longest rounded up to 16, at most twice their tokens and 15 chunks; here the warm-up's lengths are all far
+    below): that call alone. Otherwise a resumed first sequence rides the packed call's own initial state, and
+    the other resumed sequences, up to max_rerun, are rerun alone; more go as rows of one call, or take the
+    batched correction (no more calls)."""
+    def rows_of(idx):
+        L = -(-max(lengths[i] for i in idx) // 16) * 16
+        return L if len(idx) > max_rerun and len(idx) * L <= 2 * sum(lengths[i] for i in idx) else None
+
     calls = []
     for lengths, resumed in layouts:
         idx = [i for i, r in enumerate(resumed) if r]
-        L = -(-max([lengths[i] for i in idx] or [0]) // 16) * 16
-        rows = len(idx) > max_rerun and len(idx) * L <= 2 * sum(lengths[i] for i in idx)
-        if not (rows and len(idx) == len(lengths)):  # the packed call, unless every sequence resumes as a row
-            calls.append((sum(lengths), idx == [0]))
-        if idx and idx != [0] and len(idx) <= max_rerun:
-            calls += [(lengths[i], True) for i in idx]
-        elif rows:
-            calls.append((L, True))
+        if len(idx) == len(lengths) and rows_of(idx):
+            calls.append((rows_of(idx), True))
+            continue
+        lead = bool(idx) and idx[0] == 0
+        calls.append((sum(lengths), lead))
+        others = idx[1:] if lead else idx
+        if others and len(others) <= max_rerun:
+            calls += [(lengths[i], True) for i in others]
+        elif others and rows_of(others):
+            calls.append((rows_of(others), True))
     return calls
 
 

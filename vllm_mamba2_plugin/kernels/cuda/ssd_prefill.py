@@ -18,24 +18,26 @@ ONE packed call of every non-empty sequence, with seq_idx:
    the states that state passing hands from chunk to chunk: no ``chunk_state_varlen`` launch (``_packed_call``).
    Otherwise cu_seqlens asks for them (``chunk_state_varlen``, one more autotuned launch).
 2. Nobody resumes a state: done.
-3. The only resumed sequence opens the batch (vLLM's runner orders a step's rows decode, short extend, long
-   extend, fresh prompt, so the chunk that continues a cut prompt comes first): its state is the packed call's
-   ``initial_states``. One upstream gap is patched: ``chunk_state_varlen`` adds the state entering a sequence's
-   last chunk only if the sequence started before that chunk (ssd_chunk_state.py:700-706), so a first sequence
-   ending in chunk 0 gets its final state without the h0 term; ``_patch_first_final`` adds
+3. A resumed sequence that opens the batch (vLLM's runner orders a step's rows decode, short extend, long
+   extend, fresh prompt, so the chunk that continues a cut prompt comes first) starts from its state as the
+   packed call's ``initial_states``: alone ("native"), or leading other resumed sequences (``VarlenPlan.lead``),
+   which paths 4-6 then compute (``VarlenPlan.others``; a long continued prompt among cache hits would otherwise
+   pad their rows too much). One upstream gap is patched: ``chunk_state_varlen`` adds the state entering a
+   sequence's last chunk only if the sequence started before that chunk (ssd_chunk_state.py:700-706), so a first
+   sequence ending in chunk 0 gets its final state without the h0 term; ``_patch_first_final`` adds
    exp(dA_cumsum[its last token]) h0 (the kernel's own in-chunk cumsum).
-4. Up to ``varlen_plan.SEPARATE_RESUMED_MAX`` other resumed sequences: each is rerun alone as one batch row whose
-   initial state the kernel takes natively, and its rows and final state overwritten (``_rerun_resumed``):
-   fewer host launches than the correction, and prefill steps are host-bound.
+4. Up to ``varlen_plan.SEPARATE_RESUMED_MAX`` others: each is rerun alone as one batch row whose initial state
+   the kernel takes natively, and its rows and final state overwritten (``_rerun_resumed``): fewer host launches
+   than the correction, and prefill steps are host-bound.
 5. More (prefix-cache hits resume a suffix per request): all of them as the rows of ONE more call, each row
    from its own initial state, padded at its end with tokens of processed dt 0, which leave a state unchanged
    (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``), while the padding stays within
    ``varlen_plan.ROWS_MAX_PADDING`` times their tokens and dt_limit's lower bound is 0. When every sequence of
-   the step resumes (a step of cache hits), that call is the only one: no packed call.
+   the step resumes (a step of cache hits) and fits as rows, that call is the only one: no packed call.
 6. Otherwise: the exact correction (``add_initial_state``). SSD is linear in h0, so
        y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
-   in float32 for the resumed sequences only, from the step sizes the kernel itself computed: ~40 small
-   launches and (tokens, H, P) float32 temporaries per layer.
+   in float32 for the others only, from the step sizes the kernel itself computed: ~40 small launches and
+   (tokens, H, P) float32 temporaries per layer.
 7. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
    sequence at position 0, ssd_chunk_state.py:661-675); they keep their selected initial state.
 
@@ -142,15 +144,15 @@ def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
     has = initial_states is not None
     path = plan.resume_path(has, fwd.pads_are_inert())
     calls = _Calls()
-    if path == "rows" and len(plan.resumed) == len(plan.nonempty):  # every sequence resumes: the rows call alone
+    if path == "rows" and plan.rows_cover_all:  # every sequence resumes: the rows call alone
         out, fin_k = _resumed_rows(fwd, None, None, plan, initial_states, calls)
         return out, fin_k, calls
-    native = path == "native"
-    out, fin_k, res = _packed_call(fwd, plan, initial_states if native else None, state_dtype)
+    first = plan.first_takes_state(has)
+    out, fin_k, res = _packed_call(fwd, plan, initial_states if first else None, state_dtype)
     calls.packed = res
-    if native:
-        return out, _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype), calls
-    if path == "none":
+    if first:
+        fin_k = _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype)
+    if path in ("native", "none"):
         return out, fin_k, calls
     if path == "rerun":
         return (*_rerun_resumed(fwd, out, fin_k, plan, initial_states, calls), calls)
@@ -355,11 +357,11 @@ def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size:
 
 
 def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
-    """Path 4: each resumed sequence again alone, from its initial state (the kernel's native form); its rows of
-    out and its final state are overwritten. Returns (out, float32 final states)."""
+    """Path 4: each of ``plan.others`` again alone, from its initial state (the kernel's native form); its rows
+    of out and its final state are overwritten. Returns (out, float32 final states)."""
     fin_k = fin_k.to(torch.float32)
     lo = plan.cu[0]
-    for s in plan.resumed:
+    for s in plan.others:
         a, b = plan.cu[s], plan.cu[s + 1]
         r = calls.rerun[s] = fwd(a, b, initial_states=initial_states[s: s + 1])
         out[a - lo: b - lo] = r[0][0]
@@ -375,7 +377,7 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, c
     and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
     None) and this call's results are the whole. Returns (out, float32 final states)."""
     rp = plan.rows
-    h0 = initial_states if plan.all_resume else initial_states.index_select(0, plan.init.rows)
+    h0 = initial_states if plan.all_resume and not plan.lead else initial_states.index_select(0, plan.init.rows)
     res = calls.rows = fwd.padded(rp.rows, h0)
     y = res[0].reshape(rp.rows.I * rp.rows.L, *res[0].shape[2:]).index_select(0, rp.real)
     if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32

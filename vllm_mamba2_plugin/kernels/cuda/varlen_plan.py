@@ -172,11 +172,14 @@ class VarlenPlan:
     # (S'-1,) long: when every non-empty sequence but the last ends on an SSD chunk boundary (relative to cu[0]),
     # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
-    init: Optional[InitCorrectionPlan] = None  # None: no non-empty sequence has an initial state
-    # host: every sequence is non-empty and resumes (a step of cache hits): init.rows is 0..S-1, and the rows of
-    # initial_states need no gather
+    # host: the first non-empty sequence resumes and takes the packed call's own initial state while others resume
+    # too (``others``); never where all resumed sequences fit as the rows of one call
+    lead: bool = False
+    init: Optional[InitCorrectionPlan] = None  # over ``others``; None: none of them
+    # host: every sequence is non-empty and resumes (a step of cache hits); unless ``lead``, init.rows is then
+    # 0..S-1 and the rows of initial_states need no gather
     all_resume: bool = False
-    rows: Optional[ResumedRowsPlan] = None  # more than SEPARATE_RESUMED_MAX resumed, padding within the limit
+    rows: Optional[ResumedRowsPlan] = None  # ``others`` as rows: more than SEPARATE_RESUMED_MAX, within the limits
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
     # boundary_plan's result for the step's boundary offsets (the same list object for every layer): (offsets,
@@ -195,28 +198,44 @@ class VarlenPlan:
         """The non-empty sequences that start from a saved state (host; asked several times in every layer)."""
         return [s for s in self.nonempty if self.init_flags[s]]
 
+    @functools.cached_property
+    def others(self) -> List[int]:
+        """The resumed sequences the packed call cannot start from their state: all but a ``lead`` first one."""
+        return self.resumed[1:] if self.lead else self.resumed
+
+    @property
+    def rows_cover_all(self) -> bool:
+        """Every non-empty sequence is one of ``others`` (a step of cache hits): a rows call alone computes the
+        step."""
+        return self.others == self.nonempty != []
+
     def native_first(self, has_states: bool) -> bool:
         """The only sequence that resumes a state is the first non-empty one of the packed batch: the kernels'
         own initial state (per batch row, which with seq_idx reaches exactly the row's first sequence) serves
         it. has_states: the caller passed initial states at all."""
         return has_states and self.resumed == self.nonempty[:1] != []
 
+    def first_takes_state(self, has_states: bool) -> bool:
+        """The packed call starts its first sequence from that sequence's state: ``native_first``, or ``lead``
+        (then ``others`` take one of the paths below as well)."""
+        return has_states and (self.lead or self.native_first(True))
+
     def resume_path(self, has_states: bool, pads_ok: bool) -> str:
         """How ``ssd_prefill`` computes the resumed sequences: "none" (no non-empty sequence resumes a state, or no
-        states given), "native" (``native_first``), "rerun" (each alone, ``reruns_resumed``), "rows" (as the rows
-        of one more call; pads_ok: padding tokens can be made inert) or "correction"."""
+        states given), "native" (``native_first``), or, for ``others``: "rerun" (each alone, at most
+        ``SEPARATE_RESUMED_MAX``), "rows" (as the rows of one more call; pads_ok: padding tokens can be made
+        inert) or "correction"."""
         if self.native_first(has_states):
             return "native"
         if self.init is None or not has_states:
             return "none"
-        if self.reruns_resumed():
+        if len(self.others) <= SEPARATE_RESUMED_MAX:
             return "rerun"
         return "rows" if self.rows is not None and pads_ok else "correction"
 
     def reruns_resumed(self) -> bool:
-        """Resumed sequences are rerun one by one (at most ``SEPARATE_RESUMED_MAX`` of them), else batched: as
-        rows of one more SSD call (``rows``) or by the correction (``ssd_prefill.add_initial_state``); the conv
-        then uses its extended buffer."""
+        """The conv's choice: up to ``SEPARATE_RESUMED_MAX`` resumed sequences keep the in-place layout (each one's
+        first outputs recomputed from its state); more take the extended buffer (``conv.causal_conv1d``)."""
         return len(self.resumed) <= SEPARATE_RESUMED_MAX
 
 
@@ -276,9 +295,15 @@ def build_plan(
     if ne and all(e % chunk_size == 0 for e in cu_k[1:-1]):
         host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
-    blk = _correction_host(host, cu_k_np, seq_idx_np, init_pos, chunk_size) if init_pos else 0
-    many = init_pos and len(init_pos) > SEPARATE_RESUMED_MAX
-    rows_shape = _rows_host(host, cu, ne, init_pos, chunk_size) if many else None
+    # Resumed sequences go as rows of one call where they fit (the whole step where every sequence resumes);
+    # otherwise a resumed first sequence leads (the packed call starts it from its state: no rerun, correction or
+    # second pass for it), and only the others take rows, reruns or the correction.
+    rows_shape = _rows_host(host, cu, ne, init_pos, chunk_size) if _many(init_pos) else None
+    lead = rows_shape is None and len(init_pos) > 1 and init_pos[0] == 0
+    rest = init_pos[1:] if lead else init_pos
+    blk = _correction_host(host, cu_k_np, seq_idx_np, rest, chunk_size) if rest else 0
+    if rows_shape is None and _many(rest):
+        rows_shape = _rows_host(host, cu, ne, rest, chunk_size)
     in_place = {}
     for W in conv_widths:
         K = W - 1
@@ -294,8 +319,8 @@ def build_plan(
         seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], final_chunks=dev.get("final_chunks"),
         device=device,
     )
-    plan.all_resume = S > 0 and len(init_pos) == S
-    if init_pos:
+    plan.all_resume, plan.lead = S > 0 and len(init_pos) == S, lead
+    if rest:
         plan.init = InitCorrectionPlan(
             block=blk, tok_start=dev["i_tok_start"], start=dev["i_start"], end=dev["i_end"], pos=dev["i_pos"],
             rows=dev["i_rows"], tok=dev["i_tok"], b_seq=dev["i_b_seq"],
@@ -309,6 +334,11 @@ def build_plan(
             _set_ext(cp, {k: dev[f"c{K}_{k}"] for k in ("tok_row", "state_row", "seq_idx", "final_row")})
         plan.conv[K] = cp
     return plan
+
+
+def _many(positions: List[int]) -> bool:
+    """More resumed sequences than are rerun one by one."""
+    return bool(positions) and len(positions) > SEPARATE_RESUMED_MAX
 
 
 def _init_flags(has_initial_state: Optional[torch.Tensor], have_initial_states: bool, S: int) -> List[bool]:
@@ -421,7 +451,8 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
     path = plan.resume_path(has_states, pads_ok)
-    packed, pairs = _packed_pairs(plan, offsets, chunk_size, has_states and path != "none", path == "native")
+    packed, pairs = _packed_pairs(plan, offsets, chunk_size, has_states and path != "none",
+                                  plan.first_takes_state(has_states))
     picks: Dict[object, list] = {}  # source -> what to take from it; a rerun's source is ("rerun", sequence)
     where = []  # per offset: (source, position among the source's picks)
     for s, offs in enumerate(offsets):
@@ -451,16 +482,16 @@ def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, 
 
 def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, path: str, packed: dict) -> tuple:
     """(source, what to take from it) for the state after o tokens of sequence s: its final state; the packed
-    call's (``_packed_pairs``); the call that computes a resumed sequence from its own start (a row of the resumed
+    call's (``_packed_pairs``); the call that computes one of ``others`` from its own start (a row of the resumed
     rows' call, flattened to (rows * chunks), or its rerun), at a chunk multiple; else the second pass's."""
     if o == plan.cu[s + 1] - plan.cu[s]:
         return "final", s
     if (s, o) in packed:
         return "packed", packed[(s, o)]
-    if path in ("rows", "rerun") and plan.init_flags[s] and o % cs == 0:
+    if path in ("rows", "rerun") and s in plan.others and o % cs == 0:
         if path == "rerun":
             return ("rerun", s), o // cs
-        row = plan.resumed.index(s)  # the rows call's rows are the resumed sequences, in order
+        row = plan.others.index(s)  # the rows call's rows are ``others``, in order
         return "rows", row * -(-plan.rows.rows.L // cs) + o // cs
     return "rest", (s, o)
 

@@ -99,7 +99,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     only in steps of more than 15 chunks, so that class is warmed only when the budget allows such steps.
 
     Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), up to
-    ``max_rerun`` resumed sequences (each rerun alone: lengths 37, 48 and 1), more: as rows of one call
+    ``max_rerun`` resumed sequences after a fresh one (each rerun alone: lengths 37, 48 and 1; a resumed first
+    sequence would lead, ``VarlenPlan.lead``), more: as rows of one call
     (``varlen_plan.ResumedRowsPlan``: batch rows I in Triton's classes "other" and 16k, row length L a multiple of
     16 of one or of 2-15 chunks, where a step within the budget can have them: I * L <= 2 * tokens, half of
     the rows padding) and by the batched correction (a long one among 1-token ones pads too much for rows)."""
@@ -127,7 +128,7 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
         ([1], [False]),
         ([1], [True]),
         ([cs + 5, 2], [False, False]),
-        (reruns + [cs], [True] * len(reruns) + [False]),
+        ([cs] + reruns, [False] + [True] * len(reruns)),  # after a fresh first sequence: none leads
         ([1] * many + [20], [True] * (many + 1)),
     ] + rows
 
@@ -145,10 +146,10 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
       length T in Triton's classes (chunk count other or 16k) x (T mod 16: 0 / 8 / 4 / 2 / 1), with the varlen
       final states, from zeros and with a first initial state.
     * Resumed sequences rerun alone or as rows of one call give theirs from that call (no other kernels). Under
-      the batched correction (a long resumed sequence among 1-token ones pads too much for rows) they run a second
-      pass up to their last boundary: alone, as one batch row without seq_idx from their state (a length that is a
-      multiple of 16, chunk counts 1, other and 16k); two or more as the padded rows of one call (2 and 16 rows,
-      chunk counts 1 and other: ``varlen_plan`` keeps rows calls below 16 chunks)."""
+      the batched correction (long resumed sequences among 1-token ones, after a fresh first one, pad too much for
+      rows) they run a second pass up to their last boundary: alone, as one batch row without seq_idx from their
+      state (a length that is a multiple of 16, chunk counts 1, other and 16k); two or more as the padded rows of
+      one call (2 and 16 rows, chunk counts 1 and other: ``varlen_plan`` keeps rows calls below 16 chunks)."""
     cs, layouts = chunk_size, []
     for chunks in (4, 16):
         for residue in (0, 8, 4, 2, 1):
@@ -158,10 +159,10 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
     for n, chunk_counts in ((1, (1, 2, 16)), (2, (1, 2)), (16, (1, 2))):
         for chunks in chunk_counts:
             short = max(n + 1, varlen_plan.SEPARATE_RESUMED_MAX + 1 - n)  # 1-token ones: the correction
-            lengths = [chunks * cs + 16] * n + [1] * short
+            lengths = [1] + [chunks * cs + 16] * n + [1] * short  # a fresh first sequence: none leads
             if sum(lengths) <= tokens:
-                offsets = [[cs * k for k in range(1, chunks + 1)]] * n + [[]] * short
-                layouts.append((lengths, [True] * len(lengths), offsets))
+                offsets = [[]] + [[cs * k for k in range(1, chunks + 1)]] * n + [[]] * short
+                layouts.append((lengths, [False] + [True] * (len(lengths) - 1), offsets))
     return layouts
 
 
