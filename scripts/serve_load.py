@@ -208,15 +208,22 @@ def check(req, got, hung_up, answers) -> list:
     return bad
 
 
+def http_session(total_s: float) -> aiohttp.ClientSession:
+    """A client session that opens a connection per request. Reusing an idle keep-alive connection races the server
+    closing it (uvicorn's keep-alive timeout): on a loaded machine clients read "Server disconnected" for requests
+    sent on connections the server had closed, with the server healthy throughout."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_s),
+                                 connector=aiohttp.TCPConnector(force_close=True))
+
+
 async def run_load(args, server, model, bases, reqs, answers, report, concurrency):
     queue = asyncio.Queue()
     for r in reqs:
         queue.put_nowait(r)
     rng = random.Random(args.seed + 1)
-    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
 
     async def client():
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with http_session(args.request_timeout) as http:
             while not queue.empty():
                 r = queue.get_nowait()
                 await asyncio.sleep(rng.expovariate(1.0 / args.mean_gap))
@@ -291,7 +298,7 @@ def bad_requests(model: str, vocab: int, max_model_len: int) -> list:
 
 async def run_bad_inputs(server, model, vocab, max_model_len, bases, answers, probe, report) -> None:
     """Each bad request must get a 4xx whose message names the problem; the next valid one is answered exactly."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with http_session(120) as http:
         for name, body, words in bad_requests(model, vocab, max_model_len):
             kw = dict(data=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes) else \
                 dict(json=body)
