@@ -139,6 +139,14 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
 
 
+def emit(result: dict, out) -> None:
+    """A result as one JSON line on stdout, and appended to the file ``out`` when given."""
+    print(json.dumps(result), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def worker(job: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
@@ -266,10 +274,7 @@ def main() -> None:
                                                               error=proc.stderr[-2000:])
         result["block_size_arg"] = block_size
         result.update(model=args.model, command=" ".join(sys.argv))
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ if vllm.__version__.startswith("0.26"):  # the CUDA wheel's sources on a machine
 
     vllm.platforms._current_platform = CpuPlatform()
 
-from prefix_cache import add_workload_args, workload_prompts  # noqa: E402  (the same workloads)
+from prefix_cache import add_workload_args, emit, workload_prompts  # noqa: E402  (the same workloads)
 from throughput import write_config  # noqa: E402  (the shared model shapes)
 
 
@@ -192,10 +192,7 @@ def parser() -> argparse.ArgumentParser:
 def main():
     args = parser().parse_args()
     for result in measure(args):
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """patches.py: prompt token ids outside the model's vocabulary are refused in the front end (a 4xx), with and
 without a tokenizer, instead of reaching the engine's embedding lookup."""
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -90,7 +91,7 @@ def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
     from vllm.v1.worker import mamba_utils
 
     # vLLM's own function, also where an engine of an earlier test in this process installed patch 3 over it
-    monkeypatch.setattr(mamba_utils, "collect_mamba_copy_meta", _vllms(mamba_utils.collect_mamba_copy_meta))
+    monkeypatch.setattr(mamba_utils, "collect_mamba_copy_meta", inspect.unwrap(mamba_utils.collect_mamba_copy_meta))
     by_type = hasattr(mamba_utils, "_get_mamba_spec_for_layer")  # 0.32 looks the functions up by Mamba type
     if by_type:
         monkeypatch.setattr(mamba_utils, "_get_mamba_spec_for_layer", lambda g, n: SimpleNamespace(mamba_type="m2"))
@@ -108,13 +109,6 @@ def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
 
     req = SimpleNamespace(block_ids=[[4, 7, 1, 8, 2]])
     return mamba_utils, cfg, ctx, bufs, req, {"m2": funcs} if by_type else funcs
-
-
-def _vllms(fn):
-    """The function behind every patch installed over ``fn`` (``__wrapped__`` chain)."""
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
 
 
 def _install(monkeypatch, mamba_utils):

@@ -24,21 +24,21 @@ def _expected_ssd_calls(layouts, max_rerun):
     below): that call alone. Otherwise a resumed first sequence rides the packed call's own initial state, and
     the other resumed sequences, up to max_rerun, are rerun alone; more go as rows of one call, or take the
     batched correction (no more calls)."""
-    def rows_of(idx):
-        L = -(-max(lengths[i] for i in idx) // 16) * 16
-        return L if len(idx) > max_rerun and len(idx) * L <= 2 * sum(lengths[i] for i in idx) else None
+    def rows_of(ns):  # the padded row length of these sequences as rows of one call, None where they do not fit
+        L = -(-max(ns) // 16) * 16
+        return L if len(ns) > max_rerun and len(ns) * L <= 2 * sum(ns) else None
 
     calls = []
     for lengths, resumed in layouts:
         idx = [i for i, r in enumerate(resumed) if r]
-        if len(idx) == len(lengths) and rows_of(idx):
-            calls.append((rows_of(idx), True))
+        if len(idx) == len(lengths) and rows_of(lengths):
+            calls.append((rows_of(lengths), True))
             continue
         lead = bool(idx) and idx[0] == 0
         calls.append((sum(lengths), lead))
-        others = idx[1:] if lead else idx
+        others = [lengths[i] for i in (idx[1:] if lead else idx)]
         if others and len(others) <= max_rerun:
-            calls += [(lengths[i], True) for i in others]
+            calls += [(n, True) for n in others]
         elif others and rows_of(others):
             calls.append((rows_of(others), True))
     return calls
