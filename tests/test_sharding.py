@@ -62,3 +62,36 @@ def test_valid_sizes_are_the_divisors_of_num_heads():
     assert sharding.valid_tp_sizes(_config(24, 4)) == [1, 2, 3, 4, 6, 8, 12, 24]
     assert sharding.local_groups(_config(24, 4), 6) == 2  # 4 heads a rank, groups of 6 heads: copies per 2 heads
     assert sharding.heads_per_local_group(_config(24, 4), 6) == math.gcd(4, 6)
+
+
+def test_rows_loader_does_no_cpu_work_for_a_device_parameter():
+    """vLLM forks its engine core when CUDA is not yet initialised. A process that had used torch's CPU threads
+    (libgomp) before that leaves the child with a thread pool that never starts: any CPU op large enough to run
+    in parallel hangs there. The loader must take a GPU parameter's rows on the GPU; the "meta" device stands in
+    for it (it holds no data), so a forked child finishes only if no CPU op touched the checkpoint tensor."""
+    import os
+    import time
+
+    import torch
+
+    a = torch.randn(1024, 1024)
+    (a @ a).sum().item()  # the parent's OpenMP threads are up
+    loaded = torch.randn(1296, 256)  # large enough for ATen to run a CPU gather in parallel
+    param = torch.nn.Parameter(torch.empty(1296, 256, device="meta"), requires_grad=False)
+    loader = sharding.rows_loader(list(range(1296))[::-1])
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once the loader returns
+        try:
+            loader(param, loaded)
+        finally:
+            os._exit(0)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the loader hung in a forked child: it ran a parallel CPU op on the checkpoint tensor")

@@ -82,6 +82,10 @@ def rows_loader(rows: list[int]):
     index = torch.tensor(rows, dtype=torch.long)
 
     def loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-        param.data.copy_(loaded_weight.index_select(0, index.to(loaded_weight.device)))
+        # Gathered on the parameter's device. The checkpoint tensor arrives on the CPU, and a CPU gather of this
+        # size runs on OpenMP threads: in an engine core that vLLM forked after the parent process had used them,
+        # those never start (libgomp is not fork-safe) and loading hangs.
+        src = loaded_weight.to(param.device)
+        param.data.copy_(src.index_select(0, index.to(param.device)))
 
     return loader
