@@ -1,13 +1,33 @@
 """pytest plugin for scripts/interpret-ssd-tests.sh: the "fake" backend's SSD forward and chunk_state_varlen are
 mamba-ssm's real ``_mamba_chunk_scan_combined_fwd`` and ``chunk_state_varlen``, their Triton kernels run by
-Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before mamba-ssm is imported). The other upstream
-kernels stay plain-torch stand-ins."""
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before mamba-ssm is imported), called as
+``upstream.kernels()`` hands them out. The other upstream kernels stay plain-torch stand-ins.
+
+The interpreter multiplies in numpy's float32 whatever a dot's precision; here a TF32 dot rounds its float32
+operands to TF32 first, as an NVIDIA GPU's tensor cores do (Triton's default precision for float32 dots), so the
+precision the plugin compiles the kernels with shows in the results."""
 
 import contextlib
 
+import numpy as np
 import torch
+from triton._C.libtriton import ir as _ir
+from triton.runtime import interpreter as _interpreter
 
 import fakes
+from vllm_mamba2_plugin.kernels.cuda import upstream
+
+_interpreted_dot = _interpreter.InterpreterBuilder.create_dot
+
+
+def _dot_as_on_gpu(self, a, b, d, input_precision, max_num_imprecise_acc):
+    if input_precision == _ir.INPUT_PRECISION.TF32:
+        a, b = (_interpreter.TensorHandle(_interpreter._round_f32_to_tf32(t.data), t.dtype)
+                if t.data.dtype == np.float32 else t for t in (a, b))
+    return _interpreted_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+
+_interpreter.InterpreterBuilder.create_dot = _dot_as_on_gpu
 
 # mamba-ssm enters each call's CUDA device (ssd_combined.py: `with torch.cuda.device(x.device.index)`); the
 # interpreter needs none.
@@ -39,5 +59,5 @@ def _chunk_state_varlen(B, x, dt, dA_cumsum, cu_seqlens, chunk_states):
                               chunk_states.float()).to(chunk_states.dtype)
 
 
-fakes.FAKE_KERNELS.ssd_fwd = _ssd_fwd
-fakes.FAKE_KERNELS.chunk_state_varlen = _chunk_state_varlen
+fakes.FAKE_KERNELS.ssd_fwd = upstream.fp32_products_in_ieee(_ssd_fwd)
+fakes.FAKE_KERNELS.chunk_state_varlen = upstream.fp32_products_in_ieee(_chunk_state_varlen)

@@ -30,22 +30,9 @@ def test_missing_packages_give_one_clear_error(monkeypatch):
 def test_launch_path_install_failure_falls_back_with_a_warning(monkeypatch, caplog):
     """If installing the fast launch path fails (a Triton or mamba-ssm whose internals differ), the kernels are
     still usable through Triton's own launch path, and the log says so once, naming the switches."""
-    import types
-
     from vllm_mamba2_plugin.kernels.cuda import triton_launch
 
-    fake = {name: types.ModuleType(name) for name in (
-        "causal_conv1d_cuda", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
-        "mamba_ssm.ops.triton.layernorm_gated", "mamba_ssm.ops.triton.selective_state_update",
-        "mamba_ssm.ops.triton.ssd_chunk_state", "mamba_ssm.ops.triton.ssd_combined")}
-    fake["causal_conv1d_cuda"].causal_conv1d_fwd = fake["causal_conv1d_cuda"].causal_conv1d_update = object()
-    fake["mamba_ssm.ops.triton.layernorm_gated"]._layer_norm_fwd = object()
-    ssu = fake["mamba_ssm.ops.triton.selective_state_update"]
-    ssu._selective_scan_update_kernel, ssu.selective_state_update = object(), object()
-    fake["mamba_ssm.ops.triton.ssd_chunk_state"].chunk_state_varlen = object()
-    fake["mamba_ssm.ops.triton.ssd_combined"]._mamba_chunk_scan_combined_fwd = object()
-    for name, mod in fake.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    ssu = _fake_upstream(monkeypatch, object(), object())["mamba_ssm.ops.triton.selective_state_update"]
 
     def broken(**kw):
         raise AttributeError("'Autotuner' object has no attribute 'cache'")
@@ -57,3 +44,61 @@ def test_launch_path_install_failure_falls_back_with_a_warning(monkeypatch, capl
     assert k.ssu_kernel is ssu._selective_scan_update_kernel  # Triton's own object at the plugin's call site
     assert [r for r in caplog.records if "could not install the fast Triton launch path" in r.getMessage()
             and "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0" in r.getMessage() and "no attribute 'cache'" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype, before, want", [(torch.float32, None, "ieee"), (torch.float32, "tf32", "ieee"),
+                                                 (torch.bfloat16, None, None), (torch.float16, "tf32", "tf32")])
+def test_fp32_ssd_products_are_ieee(monkeypatch, dtype, before, want):
+    """mamba-ssm's SSD kernels compile and run with IEEE float32 products for float32 activations (Triton's
+    default for tl.dot of float32 operands is TF32 on NVIDIA GPUs, whose error changes greedy tokens of fp32
+    models); 16-bit activations keep whatever the process set. The variable is restored after the call."""
+    seen = []
+
+    def entry(x, *args, **kwargs):
+        seen.append(os.environ.get(upstream.F32_DOT_PRECISION_ENV))
+        return "result"
+
+    if before is None:
+        monkeypatch.delenv(upstream.F32_DOT_PRECISION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(upstream.F32_DOT_PRECISION_ENV, before)
+    assert upstream.fp32_products_in_ieee(entry)(torch.zeros(2, 3, dtype=dtype), 1, k=2) == "result"
+    assert seen == [want]
+    assert os.environ.get(upstream.F32_DOT_PRECISION_ENV) == before
+
+
+def test_the_ssd_entry_points_are_the_ieee_ones(monkeypatch):
+    """kernels() hands out the SSD forward and chunk_state_varlen inside fp32_products_in_ieee."""
+    from vllm_mamba2_plugin.kernels.cuda import triton_launch
+
+    seen = []
+    _fake_upstream(monkeypatch,
+                   lambda *a, **k: seen.append(("fwd", os.environ.get(upstream.F32_DOT_PRECISION_ENV))),
+                   lambda *a: seen.append(("varlen", os.environ.get(upstream.F32_DOT_PRECISION_ENV))))
+    monkeypatch.setattr(triton_launch, "install", lambda **kw: {})
+    monkeypatch.setattr(upstream, "_KERNELS", None)
+    monkeypatch.delenv(upstream.F32_DOT_PRECISION_ENV, raising=False)
+    k = upstream.kernels()
+    x = torch.zeros(4, 2, 8)
+    k.ssd_fwd(x, x, x)
+    k.chunk_state_varlen(x, x)
+    assert seen == [("fwd", "ieee"), ("varlen", "ieee")]
+
+
+def _fake_upstream(monkeypatch, ssd_fwd, chunk_state_varlen) -> dict:
+    """Stand-in modules for what ``upstream.kernels()`` imports, with these SSD entry points; returns them."""
+    import types
+
+    fake = {name: types.ModuleType(name) for name in (
+        "causal_conv1d_cuda", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
+        "mamba_ssm.ops.triton.layernorm_gated", "mamba_ssm.ops.triton.selective_state_update",
+        "mamba_ssm.ops.triton.ssd_chunk_state", "mamba_ssm.ops.triton.ssd_combined")}
+    fake["causal_conv1d_cuda"].causal_conv1d_fwd = fake["causal_conv1d_cuda"].causal_conv1d_update = object()
+    fake["mamba_ssm.ops.triton.layernorm_gated"]._layer_norm_fwd = object()
+    ssu = fake["mamba_ssm.ops.triton.selective_state_update"]
+    ssu._selective_scan_update_kernel, ssu.selective_state_update = object(), object()
+    fake["mamba_ssm.ops.triton.ssd_chunk_state"].chunk_state_varlen = chunk_state_varlen
+    fake["mamba_ssm.ops.triton.ssd_combined"]._mamba_chunk_scan_combined_fwd = ssd_fwd
+    for name, mod in fake.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return fake

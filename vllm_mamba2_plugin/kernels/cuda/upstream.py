@@ -9,7 +9,9 @@ Tests replace ``_KERNELS`` with plain-torch stand-ins (tests/kernels/cuda/fakes.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from types import SimpleNamespace
 from typing import Optional
 
@@ -45,8 +47,8 @@ def kernels() -> SimpleNamespace:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
         placed = _install_launch_path()
         _KERNELS = SimpleNamespace(
-            ssd_fwd=_mamba_chunk_scan_combined_fwd,
-            chunk_state_varlen=chunk_state_varlen,
+            ssd_fwd=fp32_products_in_ieee(_mamba_chunk_scan_combined_fwd),
+            chunk_state_varlen=fp32_products_in_ieee(chunk_state_varlen),
             selective_state_update=selective_state_update,
             ssu_kernel=placed.get("_selective_scan_update_kernel", _selective_scan_update_kernel),
             layer_norm_fwd=_layer_norm_fwd,
@@ -54,6 +56,39 @@ def kernels() -> SimpleNamespace:
             conv_update=causal_conv1d_cuda.causal_conv1d_update,
         )
     return _KERNELS
+
+
+# Triton's default precision for tl.dot of float32 operands (TRITON_F32_DEFAULT: read when a kernel is compiled,
+# and part of Triton's cache key). Unset, it is TF32 on NVIDIA GPUs.
+F32_DOT_PRECISION_ENV = "TRITON_F32_DEFAULT"
+
+
+def fp32_products_in_ieee(fn):
+    """``fn`` (an SSD entry point; its first argument holds the activations) with its kernels compiled and run
+    with IEEE float32 products when the activations are float32.
+
+    mamba-ssm's SSD kernels multiply with ``tl.dot`` at Triton's default precision, TF32 for float32 operands
+    (a 10-bit mantissa). With large step sizes its error reaches ~1 % of a layer's output, enough to change
+    greedy tokens of fp32 models whose top two logits are 0.2-4 apart (tests/gpu/test_grid_gpu.py). torch keeps
+    float32 matmuls in float32 by default; so do these kernels. 16-bit activations are untouched: their
+    products are 16-bit either way. Only mamba-ssm's kernels are reached by these calls, so every compile of
+    their float32 specialisations happens inside this scope."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if args[0].dtype != torch.float32:
+            return fn(*args, **kwargs)
+        before = os.environ.get(F32_DOT_PRECISION_ENV)
+        os.environ[F32_DOT_PRECISION_ENV] = "ieee"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[F32_DOT_PRECISION_ENV]
+            else:
+                os.environ[F32_DOT_PRECISION_ENV] = before
+
+    return call
 
 
 def _install_launch_path() -> dict:
