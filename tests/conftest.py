@@ -74,6 +74,18 @@ def oracles(model_dirs):
     return {name: RecurrentMamba2(path) for name, path in model_dirs.items()}
 
 
+@pytest.fixture(scope="session")
+def grid_dirs(tmp_path_factory):
+    """The model grid's checkpoints (tiny_model.GRID), built once per session."""
+    root = tmp_path_factory.mktemp("grid")
+    return {name: tiny_model.build(str(root / name), spec) for name, spec in tiny_model.GRID.items()}
+
+
+@pytest.fixture(scope="session")
+def grid_oracles(grid_dirs):
+    return {name: RecurrentMamba2(path) for name, path in grid_dirs.items()}
+
+
 _ENGINES: dict = {}
 _MAX_LIVE = 2
 

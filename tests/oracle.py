@@ -70,11 +70,9 @@ class RecurrentMamba2:
             C = xc[self.d_inner + G * N:].view(G, N)
             dt = F.softplus(dt + w[p + "mixer.dt_bias"]).clamp(self.dt_min, self.dt_max)
             A = -torch.exp(w[p + "mixer.A_log"])
-            y = torch.empty(H, P, dtype=torch.float64)
-            for hd in range(H):
-                g = hd // (H // G)
-                ssm_s[hd] = torch.exp(dt[hd] * A[hd]) * ssm_s[hd] + dt[hd] * torch.outer(x[hd], B[g])
-                y[hd] = ssm_s[hd] @ C[g] + w[p + "mixer.D"][hd] * x[hd]
+            Bh, Ch = B.repeat_interleave(H // G, 0), C.repeat_interleave(H // G, 0)  # head h reads group h // (H/G)
+            ssm_s.mul_(torch.exp(dt * A)[:, None, None]).add_(dt[:, None, None] * x[:, :, None] * Bh[:, None, :])
+            y = (ssm_s @ Ch[:, :, None])[..., 0] + w[p + "mixer.D"][:, None] * x
             gated = y.reshape(-1) * (z * torch.sigmoid(z))
             gs = self.d_inner // G
             normed = torch.cat([self._rms(gated[k * gs:(k + 1) * gs], 1.0, self.eps) for k in range(G)])

@@ -49,6 +49,11 @@ class TinyMamba2Spec:
     tie_word_embeddings: bool = False
     time_step_limit: tuple = (0.0, float("inf"))
     logit_scale: float = 4.0
+    # "tiny": the scales above (step sizes log-uniform in [0.01, 0.3]); "wide": HF's Mamba2 init with larger
+    # projections (embeddings N(0, 1), lm_head N(0, 0.5), in_proj N(0, 0.1) + bias N(0, 0.2), out_proj N(0, 0.1)
+    # + bias N(0, 0.1), dt_bias N(0, 1)): step sizes softplus(dt + dt_bias) with a median near 0.6 and a tail
+    # past 3, A = -1 .. -num_heads, peaky logits.
+    init: str = "tiny"
     seed: int = 0
     train_steps: int = 0  # > 0: fit the weights to CORPUS (next-token loss) so that generation reads as text
 
@@ -60,6 +65,31 @@ PRESETS = {
                               state_size=32, chunk_size=64, vocab_size=512, seed=1234, train_steps=300),
     "test": TinyMamba2Spec(),
 }
+
+# The model grid of the exactness tests (tests/test_grid_models.py, tests/gpu/test_grid_gpu.py, the serving
+# harness): "wide" weights, so large step sizes and peaky logits, over the shapes a bug may depend on. Together:
+# d_state 16 / 32 / 64 / 128, head_dim 32 / 64 / 128, n_groups 1 / 4 / 8, conv width 2 / 3 / 4, chunk 64 / 256,
+# linear biases on / off, time_step_limit none / (0, 1.5) / (0.05, 6); "h64n128" has the released checkpoints'
+# head_dim 64 and d_state 128.
+_GRID = dict(hidden_size=256, vocab_size=640, init="wide", num_hidden_layers=2)
+GRID = {
+    "n32g4": TinyMamba2Spec(**{**_GRID, "num_hidden_layers": 4}, num_heads=16, head_dim=32, n_groups=4,
+                            state_size=32, conv_kernel=4, chunk_size=64, use_bias=True,
+                            time_step_limit=(0.0, 1.5), seed=42),
+    "h64n128": TinyMamba2Spec(**_GRID, num_heads=8, head_dim=64, n_groups=1, state_size=128, conv_kernel=4,
+                              chunk_size=256, seed=43),
+    "n16g8": TinyMamba2Spec(**{**_GRID, "num_hidden_layers": 3}, num_heads=16, head_dim=32, n_groups=8,
+                            state_size=16, conv_kernel=3, chunk_size=64, use_bias=True,
+                            time_step_limit=(0.05, 6.0), seed=44),
+    "h128n64": TinyMamba2Spec(**_GRID, num_heads=4, head_dim=128, n_groups=1, state_size=64, conv_kernel=2,
+                              chunk_size=64, use_conv_bias=False, seed=45),
+    "n128g4": TinyMamba2Spec(**_GRID, num_heads=8, head_dim=64, n_groups=4, state_size=128, conv_kernel=3,
+                             chunk_size=64, use_bias=True, time_step_limit=(0.0, 1.5), seed=46),
+    "n64g8w2": TinyMamba2Spec(**{**_GRID, "num_hidden_layers": 3}, num_heads=16, head_dim=32, n_groups=8,
+                              state_size=64, conv_kernel=2, chunk_size=256, use_bias=True,
+                              tie_word_embeddings=True, seed=47),
+}
+PRESETS.update({f"grid-{name}": spec for name, spec in GRID.items()})
 
 
 def build_tokenizer(vocab_size: int):
@@ -77,6 +107,10 @@ def build_tokenizer(vocab_size: int):
 
 
 def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
+    if spec.init == "wide":
+        return wide_weights(spec)
+    if spec.init != "tiny":
+        raise ValueError(f"unknown init {spec.init!r}: 'tiny' or 'wide'")
     g = torch.Generator().manual_seed(spec.seed)
 
     def normal(*shape, std):
@@ -116,6 +150,42 @@ def random_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
         w["lm_head.weight"] = normal(spec.vocab_size, d, std=spec.logit_scale / math.sqrt(d))
     else:  # tied: scale the shared matrix's effect through norm_f instead
         w["backbone.norm_f.weight"] = torch.full((d,), spec.logit_scale / (embed_std * math.sqrt(d)))
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def wide_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
+    """HF's Mamba2 init (A_log = log(1 .. H), D = 1, unit norms, conv weights U(+-1/sqrt(W))) with the larger
+    projection scales of the "wide" init (TinyMamba2Spec.init)."""
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    d, H, W = spec.hidden_size, spec.num_heads, spec.conv_kernel
+    d_inner = H * spec.head_dim
+    conv_dim = d_inner + 2 * spec.n_groups * spec.state_size
+    width = d_inner + conv_dim + H
+    w = {"backbone.embeddings.weight": normal(spec.vocab_size, d, std=1.0)}
+    for i in range(spec.num_hidden_layers):
+        p = f"backbone.layers.{i}."
+        w[p + "norm.weight"] = torch.ones(d)
+        w[p + "mixer.in_proj.weight"] = normal(width, d, std=0.1)
+        w[p + "mixer.conv1d.weight"] = (2 * torch.rand(conv_dim, 1, W, generator=g) - 1) / math.sqrt(W)
+        if spec.use_conv_bias:
+            w[p + "mixer.conv1d.bias"] = normal(conv_dim, std=0.1)
+        w[p + "mixer.dt_bias"] = normal(H, std=1.0)
+        w[p + "mixer.A_log"] = torch.log(torch.arange(1, H + 1, dtype=torch.float32))
+        w[p + "mixer.D"] = torch.ones(H)
+        w[p + "mixer.norm.weight"] = torch.ones(d_inner)
+        w[p + "mixer.out_proj.weight"] = normal(d, d_inner, std=0.1)
+        if spec.use_bias:
+            w[p + "mixer.in_proj.bias"] = normal(width, std=0.2)
+            w[p + "mixer.out_proj.bias"] = normal(d, std=0.1)
+    w["backbone.norm_f.weight"] = torch.ones(d)
+    if spec.tie_word_embeddings:  # the shared matrix is N(0, 1): scale the head's logits through norm_f
+        w["backbone.norm_f.weight"] = torch.full((d,), 0.5)
+    else:
+        w["lm_head.weight"] = normal(spec.vocab_size, d, std=0.5)
     return {k: v.contiguous() for k, v in w.items()}
 
 
@@ -293,7 +363,7 @@ def main() -> None:
     for field, default in asdict(TinyMamba2Spec()).items():
         if isinstance(default, bool):
             ap.add_argument(f"--{field.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"))
-        elif isinstance(default, (int, float)):
+        elif isinstance(default, (int, float, str)):
             ap.add_argument(f"--{field.replace('_', '-')}", type=type(default))
     args = ap.parse_args()
     spec = PRESETS[args.preset]

@@ -124,3 +124,15 @@ def _process_state(pid: int):
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("State:")), "")
     except FileNotFoundError:
         return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["n32g4", "h64n128", "n16g8", "h128n64", "n128g4", "n64g8w2"])
+def test_grid_model_under_load(name, grid_dirs, tmp_path):
+    """Each model of the grid (tiny_model.GRID: large step sizes, dt limits, every grid shape) under the same
+    kind of load, prompts up to a few chunks long, cut by the 64-token step budget."""
+    report = _run(grid_dirs[name], tmp_path, ["--requests", "40", "--concurrency", "12", "--max-prompt", "300"],
+                  ["--skip-tokenizer-init"])
+    assert report["exact"] == 40 and not report["wrong"] and not report["near_ties"]
+    assert report["disconnected"] > 0 and report["healthy_after"]
+    assert report["metrics_after"]["kv_cache_usage_perc"] == 0

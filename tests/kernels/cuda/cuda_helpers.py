@@ -190,15 +190,36 @@ def make_pools(num_slots, K, Dm, H, P, N, conv_dtype, ssm_dtype, dev, seed):
 SLOTS = [7, 2, 11, 5, 14, 1]  # scattered, unsorted
 
 
-def _mixer_layer(prefix, H, P, G, N, W=4, cs=32):
-    """One Mamba2Mixer of the given shape (hidden size 32, conv bias, no linear biases), parameters uninitialised."""
+def _mixer_layer(prefix, H, P, G, N, W=4, cs=32, conv_bias=True, dt_limit=(0.0, float("inf"))):
+    """One Mamba2Mixer of the given shape (hidden size 32, no linear biases), parameters uninitialised."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from vllm_mamba2_plugin import compat
     from vllm_mamba2_plugin import mixer as mixer_mod
 
     cfg = SimpleNamespace(hidden_size=32, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_kernel=W,
-                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True)
+                          chunk_size=cs, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=conv_bias,
+                          time_step_limit=dt_limit)
     with set_current_vllm_config(VllmConfig()):  # the layer registers itself in the config's forward context
         compat.init_single_rank_groups()  # the parallel linear layers read the TP group
         return mixer_mod.Mamba2Mixer(cfg, model_config=None, cache_config=None, prefix=prefix)
+
+
+def grid_layer(name, dev):
+    """The first mixer layer of the model grid's checkpoint ``name`` (tiny_model.GRID: its shape, dt limit and
+    "wide" weights, so step sizes up to the limit or past 3), on ``dev``."""
+    from vllm_mamba2_plugin import tiny_model
+
+    spec = tiny_model.GRID[name]
+    layer = _mixer_layer(f"grid-{name}.mixer", spec.num_heads, spec.head_dim, spec.n_groups, spec.state_size,
+                         spec.conv_kernel, spec.chunk_size, conv_bias=spec.use_conv_bias,
+                         dt_limit=spec.time_step_limit)
+    w = {k.split("mixer.", 1)[1]: v for k, v in tiny_model.wide_weights(spec).items()
+         if k.startswith("backbone.layers.0.mixer.")}
+    w["A"] = -torch.exp(w.pop("A_log"))
+    params = dict(layer.named_parameters())
+    with torch.no_grad():
+        for k in ("conv1d.weight", "conv1d.bias", "dt_bias", "A", "D", "norm.weight"):  # the op's parameters
+            if k in w:
+                params[k].copy_(w[k].view_as(params[k]))
+    return layer.to(dev)
