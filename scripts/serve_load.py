@@ -340,7 +340,7 @@ def parse_args(argv):
     ap.add_argument("--max-gpu-growth-mb", type=float, default=64)
     ap.add_argument("--tie-margin", type=float, default=5e-3,
                     help="a divergence where the oracle's top-1 / top-2 logit margin is below this is a near-tie "
-                         "(reported, not failed): on CUDA mamba-ssm's SSD runs float32 dot products in TF32")
+                         "(reported, not failed): fp32 kernels against a float64 oracle")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server's environment")
     ap.add_argument("--answers", default=None, help="cache of the oracle's answers (JSON; reused when it matches)")
