@@ -127,10 +127,11 @@ def _process_state(pid: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["n32g4", "h64n128", "n16g8", "h128n64", "n128g4", "n64g8w2"])
+@pytest.mark.parametrize("name", ["n32g4", "h64n128", "n16g8"])
 def test_grid_model_under_load(name, grid_dirs, tmp_path):
-    """Each model of the grid (tiny_model.GRID: large step sizes, dt limits, every grid shape) under the same
-    kind of load, prompts up to a few chunks long, cut by the 64-token step budget."""
+    """Grid models (tiny_model.GRID: large step sizes; both dt limits, no limit; chunk 64 and 256; 4 and 8 groups)
+    under the same kind of load, prompts up to a few chunks long, cut by the 64-token step budget. Every grid model
+    goes through the engine in tests/test_grid_models.py; three here keep CI's time."""
     report = _run(grid_dirs[name], tmp_path, ["--requests", "40", "--concurrency", "12", "--max-prompt", "300"],
                   ["--skip-tokenizer-init"])
     assert report["exact"] == 40 and not report["wrong"] and not report["near_ties"]
