@@ -68,11 +68,11 @@ def fp32_products_in_ieee(fn):
     with IEEE float32 products when the activations are float32.
 
     mamba-ssm's SSD kernels multiply with ``tl.dot`` at Triton's default precision, TF32 for float32 operands
-    (a 10-bit mantissa). With large step sizes its error reaches ~1 % of a layer's output, enough to change
-    greedy tokens of fp32 models whose top two logits are 0.2-4 apart (tests/gpu/test_grid_gpu.py). torch keeps
-    float32 matmuls in float32 by default; so do these kernels. 16-bit activations are untouched: their
-    products are 16-bit either way. Only mamba-ssm's kernels are reached by these calls, so every compile of
-    their float32 specialisations happens inside this scope."""
+    (a 10-bit mantissa). With large step sizes that error changes greedy tokens of fp32 models (the model grid,
+    benchmarks/RESULTS.md "Exactness"). torch keeps float32 matmuls in float32 by default; so do these kernels.
+    16-bit activations are untouched: their products are 16-bit either way. Only the plugin calls these
+    kernels, always through here, so every compile of their float32 specialisations happens inside this scope
+    (Triton's in-process kernel cache is not keyed on the variable)."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
