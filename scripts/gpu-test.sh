@@ -28,9 +28,9 @@
 # makes mamba-ssm use one fixed config per kernel (no autotuning).
 # Autotuning results persist: TRITON_CACHE_AUTOTUNING=1 stores each kernel's timings in Triton's cache, and after
 # every step the script packs them into $OUT/triton-autotune.tgz (kilobytes). Copy that file into .gpu/ and the
-# next call starts with them. scripts/gpu/triton-autotune.tgz is the committed copy (58 kernels: the benchmark
-# shapes, a decode-grid shape, prefix-cache steps and the serving harness's model): refresh it when a call
-# returns more. (Same configs as a fresh autotune would choose; start-up times of runs with a carried file are not
+# next call starts with them. scripts/gpu/triton-autotune.tgz is the committed copy (101 kernels: the benchmark
+# shapes, a decode-grid shape, prefix-cache steps, the serving harness's model and grid-model layouts): refresh
+# it when a call returns more. (Same configs as a fresh autotune would choose; start-up times of runs with a carried file are not
 # comparable with cold ones.)
 set -euo pipefail
 LOG=${OUT:-/tmp/gpu-out}
