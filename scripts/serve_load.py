@@ -38,6 +38,7 @@ import aiohttp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from grid import TIE_MARGIN  # noqa: E402
 from oracle import RecurrentMamba2  # noqa: E402
 
 
@@ -338,7 +339,7 @@ def parse_args(argv):
     ap.add_argument("--bad-inputs", action="store_true", help="also send the malformed requests")
     ap.add_argument("--max-rss-growth-mb", type=float, default=256)
     ap.add_argument("--max-gpu-growth-mb", type=float, default=64)
-    ap.add_argument("--tie-margin", type=float, default=5e-3,
+    ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN,
                     help="a divergence where the oracle's top-1 / top-2 logit margin is below this is a near-tie "
                          "(reported, not failed): fp32 kernels against a float64 oracle")
     ap.add_argument("--seed", type=int, default=0)
