@@ -61,6 +61,7 @@ def kernels() -> SimpleNamespace:
 # Triton's default precision for tl.dot of float32 operands (TRITON_F32_DEFAULT: read when a kernel is compiled,
 # and part of Triton's cache key). Unset, it is TF32 on NVIDIA GPUs.
 F32_DOT_PRECISION_ENV = "TRITON_F32_DEFAULT"
+FP32_DOT_PRECISION = "ieee"  # benchmarks/ssd_precision.py measures the choices
 
 
 def fp32_products_in_ieee(fn):
@@ -79,7 +80,7 @@ def fp32_products_in_ieee(fn):
         if args[0].dtype != torch.float32:
             return fn(*args, **kwargs)
         before = os.environ.get(F32_DOT_PRECISION_ENV)
-        os.environ[F32_DOT_PRECISION_ENV] = "ieee"
+        os.environ[F32_DOT_PRECISION_ENV] = FP32_DOT_PRECISION
         try:
             return fn(*args, **kwargs)
         finally:
