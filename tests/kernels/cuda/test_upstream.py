@@ -27,6 +27,34 @@ def test_missing_packages_give_one_clear_error(monkeypatch):
         ck.gated_rms_norm(torch.ones(2, 8), None, torch.ones(8), 1e-5, 8)
 
 
+@pytest.mark.parametrize("versions, refused", [(("2.2.6.post3", "1.7.0"), "mamba-ssm >= 2.3"),
+                                               (("2.3.2.post1", "1.5.3.post1"), "causal-conv1d >= 1.7")])
+def test_upstream_releases_older_than_the_verified_ones_are_refused(monkeypatch, versions, refused):
+    """One clear error naming the package, the version found and the fix, before any kernel is handed out."""
+    from vllm_mamba2_plugin.kernels.cuda import triton_launch
+
+    _fake_upstream(monkeypatch, object(), object(), versions)
+    monkeypatch.setattr(triton_launch, "install", lambda **kw: {})
+    monkeypatch.setattr(upstream, "_KERNELS", None)
+    with pytest.raises(ImportError, match=refused) as e:
+        upstream.kernels()
+    assert "found" in str(e.value) and "pip install" in str(e.value) and "VLLM_MAMBA2_PLUGIN_KERNELS" in str(e.value)
+    assert upstream._KERNELS is None
+
+
+def test_a_newer_upstream_release_is_used_with_one_warning(monkeypatch, caplog):
+    from vllm_mamba2_plugin.kernels.cuda import triton_launch
+
+    _fake_upstream(monkeypatch, object(), object(), ("2.4.0", "1.7.0"))
+    monkeypatch.setattr(triton_launch, "install", lambda **kw: {})
+    monkeypatch.setattr(upstream, "_warned", set())
+    for _ in range(2):
+        monkeypatch.setattr(upstream, "_KERNELS", None)
+        with caplog.at_level("WARNING"):
+            assert upstream.kernels() is not None
+    assert len([r for r in caplog.records if "mamba-ssm 2.4.0 is newer" in r.getMessage()]) == 1
+
+
 def test_launch_path_install_failure_falls_back_with_a_warning(monkeypatch, caplog):
     """If installing the fast launch path fails (a Triton or mamba-ssm whose internals differ), the kernels are
     still usable through Triton's own launch path, and the log says so once, naming the switches."""
@@ -85,14 +113,16 @@ def test_the_ssd_entry_points_are_the_ieee_ones(monkeypatch):
     assert seen == [("fwd", "ieee"), ("varlen", "ieee")]
 
 
-def _fake_upstream(monkeypatch, ssd_fwd, chunk_state_varlen) -> dict:
-    """Stand-in modules for what ``upstream.kernels()`` imports, with these SSD entry points; returns them."""
+def _fake_upstream(monkeypatch, ssd_fwd, chunk_state_varlen, versions=("2.3.2.post1", "1.7.0")) -> dict:
+    """Stand-in modules for what ``upstream.kernels()`` imports, with these SSD entry points and (mamba-ssm,
+    causal-conv1d) versions; returns them."""
     import types
 
     fake = {name: types.ModuleType(name) for name in (
-        "causal_conv1d_cuda", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
+        "causal_conv1d", "causal_conv1d_cuda", "mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton",
         "mamba_ssm.ops.triton.layernorm_gated", "mamba_ssm.ops.triton.selective_state_update",
         "mamba_ssm.ops.triton.ssd_chunk_state", "mamba_ssm.ops.triton.ssd_combined")}
+    fake["mamba_ssm"].__version__, fake["causal_conv1d"].__version__ = versions
     fake["causal_conv1d_cuda"].causal_conv1d_fwd = fake["causal_conv1d_cuda"].causal_conv1d_update = object()
     fake["mamba_ssm.ops.triton.layernorm_gated"]._layer_norm_fwd = object()
     ssu = fake["mamba_ssm.ops.triton.selective_state_update"]

@@ -35,7 +35,9 @@ def kernels() -> SimpleNamespace:
     global _KERNELS
     if _KERNELS is None:
         try:
+            import causal_conv1d
             import causal_conv1d_cuda
+            import mamba_ssm
             from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
             from mamba_ssm.ops.triton.selective_state_update import (
                 _selective_scan_update_kernel,
@@ -45,6 +47,7 @@ def kernels() -> SimpleNamespace:
             from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
         except ImportError as e:
             raise ImportError(f"{_INSTALL_HINT} (import failed: {e})") from e
+        check_upstream_versions({"mamba-ssm": mamba_ssm.__version__, "causal-conv1d": causal_conv1d.__version__})
         placed = _install_launch_path()
         _KERNELS = SimpleNamespace(
             ssd_fwd=fp32_products_in_ieee(_mamba_chunk_scan_combined_fwd),
@@ -56,6 +59,32 @@ def kernels() -> SimpleNamespace:
             conv_update=causal_conv1d_cuda.causal_conv1d_update,
         )
     return _KERNELS
+
+
+_warned: set = set()  # what has been logged once (fallback reasons, unverified releases)
+
+# The upstream releases the CUDA path is verified with: [lowest, first unverified); the "cuda" extra in
+# pyproject.toml pins the same ranges.
+VERIFIED_UPSTREAM = {"mamba-ssm": ("2.3", "2.4"), "causal-conv1d": ("1.7", "1.8")}
+
+
+def check_upstream_versions(found: dict) -> None:
+    """Refuse an upstream release older than the verified ones; warn once about a newer one. Older releases
+    differ in what the plugin relies on: before mamba-ssm 2.2.6.post3 and causal-conv1d 1.5.3.post1 the decode
+    kernels write padding rows (slot -1) one slot before the pool instead of skipping them."""
+    from packaging.version import Version
+
+    for dist, version in found.items():
+        lowest, unverified = VERIFIED_UPSTREAM[dist]
+        if Version(version) < Version(lowest):
+            raise ImportError(
+                f"vllm_mamba2_plugin's CUDA path needs {dist} >= {lowest} (verified: {lowest}.x; found {version}): "
+                f"pip install '{dist}>={lowest},<{unverified}' (or: pip install 'vllm-mamba2-plugin[cuda]'); "
+                "or set VLLM_MAMBA2_PLUGIN_KERNELS=reference to use the plain-torch kernels")
+        if Version(version) >= Version(unverified) and dist not in _warned:
+            _warned.add(dist)
+            logger.warning("vllm_mamba2_plugin: %s %s is newer than the verified releases (%s.x); the CUDA path "
+                           "may misbehave with it", dist, version, lowest)
 
 
 # Triton's default precision for tl.dot of float32 operands (TRITON_F32_DEFAULT: read when a kernel is compiled,
@@ -106,8 +135,6 @@ def _install_launch_path() -> dict:
                            "silence this.", e)
         return {}
 
-
-_warned: set = set()
 
 
 def fallback(reason: str) -> None:
