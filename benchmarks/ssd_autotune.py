@@ -5,10 +5,9 @@
 mamba-ssm's SSD kernels (and vLLM's copies of them) are ``@triton.autotune``d on keys that hold only head, state
 and chunk sizes (``_chunk_scan_fwd_kernel``: chunk_size, hdim, dstate, IS_CAUSAL; ``_state_passing_fwd_kernel``:
 dim): the first call in a process benchmarks every config on ITS arguments, and the winner then serves every
-later call, however long. Both start-up warm-ups make that first call on a tiny batch -- the plugin's
-``kernels/cuda/warmup.warm_prefill`` on two sequences of 128 + 384 tokens (2 chunks), vLLM's
-``_warmup_ssd_kernels`` on one chunk -- where few programs favour small tiles, while the steps that cost GPU
-time pack 8 192 tokens.
+later call, however long. vLLM's ``_warmup_ssd_kernels`` makes that first call on one chunk, where few
+programs favour small tiles, while the steps that cost GPU time pack 8 192 tokens; the plugin's
+``kernels/cuda/warmup.warm_prefill`` makes it on the profile run's whole token budget (``prefill_layouts``).
 
 Per model shape and tuning batch ("engine": each implementation's own start-up warm-up; "<S>x<L>": that packed
 batch), the script clears the autotuners' choices (in memory; disk caching off), tunes, prints the configs the

@@ -70,9 +70,9 @@ _SPEC_FIELDS = ("shapes", "dtypes", "block_size", "page_size_padded", "mamba_typ
 
 
 def plugin_mamba_type() -> MambaAttentionBackendEnum:
-    """The spec's mamba_type. vLLM reads it only to pick state copy functions for prefix caching (refused
-    by the plugin) and to group layers; the layer hands vLLM its backend class directly
-    (``get_attn_backend``), so MAMBA2 (whose copy functions match our layout) is the honest label."""
+    """The spec's mamba_type. vLLM reads it only to pick state copy functions for prefix caching (for the
+    plugin's layers patches.py, 3, moves the states instead) and to group layers; the layer hands vLLM its backend
+    class directly (``get_attn_backend``), so MAMBA2 (whose copy functions match our layout) is the honest label."""
     return MambaAttentionBackendEnum.MAMBA2
 
 
