@@ -139,10 +139,10 @@ def test_batches_a_full_graph_cannot_replay_take_the_general_path(full_graphs):
     mixed = builder.build(0, _cam([1, 4], [3, 0], [2, 5]))  # a prefill row
     assert (mixed.num_decodes, mixed.num_prefills) == (1, 1)
     gap = builder.build(0, _cam([1, 0, 1], [3, 0, 2], [2, 0, 5]))  # a zero-token row that is not trailing padding
-    assert gap.num_prefills == 2 and gap.state_indices_d.data_ptr() != builder._graph_slots.data_ptr()
+    assert gap.num_prefills == 2 and gap.state_indices_d.data_ptr() != builder.graph_slots.slots.data_ptr()
     big = builder.build(0, _cam([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
     assert (big.num_decodes, big.num_prefills) == (6, 0)
-    assert big.state_indices_d.data_ptr() != builder._graph_slots.data_ptr()
+    assert big.state_indices_d.data_ptr() != builder.graph_slots.slots.data_ptr()
 
 
 def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(full_graphs):
@@ -157,7 +157,7 @@ def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(
     builder.build(0, _cam([1, 1, 1], [4, 2, 7], [1, 2, 3]))  # an earlier graph step
     meta = builder.build(0, _cam([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))  # rows 1, 2 fresh (slot 2 reused)
     assert (meta.num_decodes, meta.num_prefills) == (4, 0)
-    assert meta.state_indices_d.data_ptr() == builder._graph_slots.data_ptr()
+    assert meta.state_indices_d.data_ptr() == builder.graph_slots.slots.data_ptr()
     assert meta.state_indices_d.tolist() == [6, 2, 4, -1]
     for conv, ssm in pools.values():
         for pool in (conv, ssm):

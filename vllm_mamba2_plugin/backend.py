@@ -21,17 +21,10 @@ is never zeroed on allocation, so has-initial-state is what keeps a new request 
 CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point and runs eagerly). By default
 (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=1) the builder also supports FULL graphs of decode-only steps
 (UNIFORM_SINGLE_TOKEN_DECODE, as vLLM's in-tree Mamba2): the runner pads such a batch to a captured size with
-rows of zero tokens whose block-table entry is the null block; the builder then counts every row as a decode
-and hands the mixer a persistent slot buffer (same address at capture and replay) whose padded tail holds
-PAD_SLOT (-1): both decode kernels skip such rows (no state read or written, output 0), as vLLM's in-tree
-Mamba2 does. Padded rows must not share a real slot: every one of them would read and write it.
-
-The runner picks a FULL graph from the batch's shape alone: every row one token. A fresh one-token prompt (or
-the first one-token chunk of a longer prompt) has that shape too, and the captured graph runs the decode kernels
-on whatever the persistent slot buffer holds. So every batch of that shape gets the graph metadata, fresh rows
-included, and a fresh row's slot is zeroed first (``_zero_fresh_slots``): a one-token decode from a zero state is
-that token's prefill. Any other metadata would leave the buffer holding the previous graph step's slots, and the
-replay would advance those requests' states a second time.
+rows of zero tokens whose block-table entry is the null block. The runner picks a FULL graph from the batch's
+shape alone (every row one token, fresh one-token prompts included), so every batch of that shape gets the graph
+metadata: every row a decode, the slots in the persistent buffers of ``decode_graph.DecodeGraphSlots``, padding
+rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py).
 """
 
 from dataclasses import dataclass
@@ -40,9 +33,8 @@ from typing import Optional
 import torch
 
 from . import compat, envs
+from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
-
-PAD_SLOT = -1  # slot id of a padded row in a FULL decode graph: the decode kernels skip it
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -130,31 +122,23 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
         self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
-        # FULL decode graphs: one persistent slot buffer, as large as the largest captured decode batch.
+        # FULL decode graphs: persistent slot buffers, as large as the largest captured decode batch.
         self.full_decode_graphs = envs.full_decode_graphs()
         # Prefix caching (mamba_cache_mode "align", docs/prefix-caching.md): a request's running state is in the
         # block of its last token; the blocks of the boundaries a prefill step crosses keep their states.
         self.prefix_caching = getattr(kv_cache_spec, "mamba_cache_mode", "none") == "align"
         self.block_size = int(kv_cache_spec.block_size) if self.prefix_caching else 0
-        self.decode_graph_max_bs = 0
+        self.graph_slots = None
         if self.full_decode_graphs:
             max_bs = vllm_config.scheduler_config.max_num_seqs
             cap = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
-            self.decode_graph_max_bs = min(max_bs, cap) if cap else max_bs
-            self._graph_slots = torch.full((self.decode_graph_max_bs,), PAD_SLOT, dtype=torch.int64,
-                                           device=device)
-            self._graph_slots_i32 = torch.full((self.decode_graph_max_bs,), PAD_SLOT, dtype=torch.int32,
-                                               device=device)
+            self.graph_slots = DecodeGraphSlots(min(max_bs, cap) if cap else max_bs, device, self._state_pools)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
         rows carry no context, so the usual rule would call them fresh prompts)."""
         cam = common_attn_metadata
-        if cam.num_reqs > self.decode_graph_max_bs:
-            raise ValueError(
-                f"vllm-mamba2-plugin: a FULL decode CUDA graph of {cam.num_reqs} requests exceeds the "
-                f"{self.decode_graph_max_bs} persistent state slots; keep cudagraph capture sizes <= max_num_seqs"
-            )
+        self.graph_slots.check_batch(cam.num_reqs)
         return self.build(0, cam, _force_decode=True)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, _force_decode=False,
@@ -244,17 +228,16 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         runner's padding rows of zero tokens. Returns None for any other batch (the general path handles it).
         capture: the runner's dummy rows for a graph capture (no request, no state to reset)."""
         num_reqs = cam.num_reqs
-        if num_reqs == 0 or num_reqs > self.decode_graph_max_bs:
+        if num_reqs == 0 or num_reqs > self.graph_slots.max_batch:
             return None
         num_real = int((query_lens > 0).sum())
         if bool((query_lens[:num_real] != 1).any()) or bool(query_lens[num_real:].any()):
             return None  # a longer row, or zero-token rows not all at the end: not a uniform decode batch
-        if not capture:
-            self._zero_fresh_slots(cam.block_table_tensor, torch.nonzero(context_lens[:num_real] == 0).view(-1))
-        slots, slots_i32 = self._graph_slots[:num_reqs], self._graph_slots_i32[:num_reqs]
-        slots[:num_real].copy_(self._running_slots(cam, num_real), non_blocking=True)
-        slots[num_real:].fill_(PAD_SLOT)
-        slots_i32.copy_(slots)
+        fresh_rows = torch.nonzero(context_lens[:num_real] == 0).view(-1)
+        if not capture and fresh_rows.numel():  # a fresh row's only token is in block 0
+            table = cam.block_table_tensor
+            self.graph_slots.zero(table[:, 0].index_select(0, upload(fresh_rows, table.device)).to(torch.int64))
+        slots, slots_i32 = self.graph_slots.write(self._running_slots(cam, num_real), num_reqs)
         return Mamba2PluginMetadata(
             num_decodes=num_reqs,
             num_decode_tokens=num_reqs,  # padded rows are tokens of the padded batch too
@@ -268,15 +251,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             has_initial_state_p=self._no_prefill_flags,
         )
 
-    def _zero_fresh_slots(self, block_table: torch.Tensor, fresh_rows: torch.Tensor) -> None:
-        """Zero the conv and SSM state of the slots of ``fresh_rows`` (host row indices) in every layer of this
-        group: vLLM hands a new request a slot as its last owner left it. Only steps with a fresh one-token row in
-        a decode-shaped batch pay for it (two fills per layer)."""
-        if fresh_rows.numel() == 0:
-            return
-        rows = upload(fresh_rows, block_table.device)
-        slots = block_table[:, 0].index_select(0, rows).to(torch.int64)  # a fresh row's last token is in block 0
+    def _state_pools(self):
+        """Every state pool (conv and SSM) of this group's layers."""
         layers = self.vllm_config.compilation_config.static_forward_context
         for name in self.layer_names:
-            for pool in compat.layer_states(layers[name]):
-                pool.index_fill_(0, slots, 0)
+            yield from compat.layer_states(layers[name])

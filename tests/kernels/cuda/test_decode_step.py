@@ -96,7 +96,7 @@ def test_ssu_launch_table_keeps_upstream_for_unmeasured_shapes():
 @pytest.mark.parametrize("launch", [None, (16, 2)], ids=["upstream", "16x2"])
 @pytest.mark.parametrize("H, G", [(8, 2), (80, 1)], ids=["tiny", "2.7b"])
 def test_decode_padding_rows_are_skipped(kern, H, G, launch):
-    """FULL decode graphs pad a batch to a captured size with slot id -1 (backend.PAD_SLOT): both decode
+    """FULL decode graphs pad a batch to a captured size with slot id -1 (decode_graph.PAD_SLOT): both decode
     kernels must give those rows 0 and leave EVERY slot but the real rows' bit-identical (slot 0 included),
     even with non-finite inputs on the padding rows; the real rows match the reference run without padding."""
     if kern.name == "fake" and (launch is not None or H > 8):

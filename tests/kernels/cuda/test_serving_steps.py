@@ -136,8 +136,8 @@ def _run_step(layer, builder, rows, inputs, mode, dev, monkeypatch):
         n = len(cam_rows)
         meta = backend_mod.Mamba2PluginMetadata(
             num_decodes=n, num_decode_tokens=n, num_prefills=0, num_prefill_tokens=0, chunk_size=layer.chunk_size,
-            state_indices_d=builder._graph_slots[:n], state_indices_d_i32=builder._graph_slots_i32[:n],
-            state_indices_p=builder._graph_slots[:0], query_start_loc_p=builder._no_prefill_qsl,
+            state_indices_d=builder.graph_slots.slots[:n], state_indices_d_i32=builder.graph_slots.slots_i32[:n],
+            state_indices_p=builder.graph_slots.slots[:0], query_start_loc_p=builder._no_prefill_qsl,
             has_initial_state_p=builder._no_prefill_flags)
     monkeypatch.setattr(compat, "layer_metadata", lambda prefix: meta)
     out = torch.full((toks.shape[0], layer.d_inner), float("nan"), device=dev)

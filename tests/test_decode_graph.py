@@ -1,0 +1,41 @@
+"""decode_graph.DecodeGraphSlots: the persistent slot buffers of FULL decode graphs and the reset of fresh slots."""
+
+import pytest
+import torch
+
+from vllm_mamba2_plugin.decode_graph import PAD_SLOT, DecodeGraphSlots
+
+
+def _slots(max_batch=4, pools=()):
+    return DecodeGraphSlots(max_batch, torch.device("cpu"), lambda: iter(pools))
+
+
+def test_every_write_lands_in_the_same_buffers_with_padding_rows_on_pad_slot():
+    """A captured graph keeps its inputs' addresses: each batch's slots go into a prefix of the same buffers,
+    the int32 copy included, and the padding rows hold PAD_SLOT, never a real slot."""
+    g = _slots()
+    first = g.write(torch.tensor([7, 3, 6]), 4)
+    assert [t.tolist() for t in first] == [[7, 3, 6, PAD_SLOT]] * 2
+    assert first[0].dtype == torch.int64 and first[1].dtype == torch.int32
+    again = g.write(torch.tensor([2]), 2)  # a smaller graph after a larger one: the stale 3 must not stay
+    assert [t.tolist() for t in again] == [[2, PAD_SLOT]] * 2
+    assert again[0].data_ptr() == first[0].data_ptr() == g.slots.data_ptr()
+    assert again[1].data_ptr() == first[1].data_ptr() == g.slots_i32.data_ptr()
+
+
+def test_a_batch_larger_than_the_buffers_is_refused():
+    with pytest.raises(ValueError, match="exceeds the 4 persistent state slots"):
+        _slots().write(torch.tensor([1, 2]), 5)
+    with pytest.raises(ValueError, match="capture sizes <= max_num_seqs"):
+        _slots().check_batch(5)
+
+
+def test_zero_resets_exactly_the_given_slots_in_every_pool():
+    pools = [torch.ones(6, 3, 4), torch.ones(6, 2, 2, 2), torch.ones(6, 3, 4)]
+    g = _slots(pools=pools)
+    g.zero(torch.tensor([1, 4]))
+    for pool in pools:
+        assert [s for s in range(6) if bool((pool[s] == 0).all())] == [1, 4]
+        assert bool((pool[[0, 2, 3, 5]] == 1).all())
+    g.zero(torch.zeros(0, dtype=torch.int64))  # nothing fresh: nothing touched
+    assert all(int((p == 0).flatten(1).all(1).sum()) == 2 for p in pools)
