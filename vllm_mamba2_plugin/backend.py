@@ -137,21 +137,19 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
         rows carry no context, so the usual rule would call them fresh prompts)."""
-        cam = common_attn_metadata
-        self.graph_slots.check_batch(cam.num_reqs)
-        return self.build(0, cam, _force_decode=True)
+        self.graph_slots.check_batch(common_attn_metadata.num_reqs)
+        return self.build(0, common_attn_metadata, _force_decode=True)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, _force_decode=False,
               **kwargs):
-        cam = common_attn_metadata
-        num_reqs = cam.num_reqs
-        qsl_cpu = cam.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
-        seq_lens_cpu = compat.seq_lens_cpu(cam)[:num_reqs].to(torch.int64)
+        num_reqs = common_attn_metadata.num_reqs
+        qsl_cpu = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        seq_lens_cpu = compat.seq_lens_cpu(common_attn_metadata)[:num_reqs].to(torch.int64)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
         context_lens = seq_lens_cpu - query_lens
 
         if self.full_decode_graphs:
-            graph_meta = self._build_graph_decode(cam, query_lens, context_lens, capture=_force_decode)
+            graph_meta = self._build_graph_decode(common_attn_metadata, query_lens, context_lens, capture=_force_decode)
             if graph_meta is not None:
                 return graph_meta
         num_decodes = split_decodes_first(query_lens, context_lens)
@@ -159,7 +157,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefills = num_reqs - num_decodes
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
-        slots = self._running_slots(cam, num_reqs)
+        slots = self._running_slots(common_attn_metadata, num_reqs)
         plan, any_init = None, False
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
@@ -167,9 +165,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             # Derived from the runner's device tensors rather than copied from the host copies: a host-to-
             # device copy from pageable memory synchronises the stream, which would stall the CPU on the
             # previous step's GPU work at every step.
-            qsl = cam.query_start_loc[num_decodes: num_reqs + 1]
+            qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
             qsl_p = (qsl - num_decode_tokens).to(torch.int32)
-            has_init_p = (cam.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
+            has_init_p = (common_attn_metadata.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
             # The CUDA kernels' index plan for this step, from the host copies (one pinned upload, shared by
             # every layer): the prefill path then needs no host sync.
             has_init_cpu = context_lens[num_decodes:] > 0
@@ -179,7 +177,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
                 self.chunk_size, self.conv_width, self.device,
             )
         slots_d = slots[:num_decodes]
-        offsets, boundary_slots = (self._boundaries(cam, num_decodes, context_lens, seq_lens_cpu)
+        offsets, boundary_slots = (self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
                                    if self.prefix_caching and num_prefills else (None, None))
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
@@ -198,16 +196,16 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             boundary_slots_p=boundary_slots,
         )
 
-    def _running_slots(self, cam, num_rows: int) -> torch.Tensor:
+    def _running_slots(self, common_attn_metadata, num_rows: int) -> torch.Tensor:
         """(num_rows,) int64: the slot holding each row's running state. Without prefix caching a request owns
         one block; with it, the block of its last token (the runner copied the state there)."""
-        table = cam.block_table_tensor[:num_rows]
+        table = common_attn_metadata.block_table_tensor[:num_rows]
         if not self.prefix_caching:
             return table[:, 0].to(torch.int64)
-        col = ((cam.seq_lens[:num_rows].to(torch.int64) - 1) // self.block_size).clamp(min=0)
+        col = ((common_attn_metadata.seq_lens[:num_rows].to(torch.int64) - 1) // self.block_size).clamp(min=0)
         return table.gather(1, col[:, None]).view(-1).to(torch.int64)
 
-    def _boundaries(self, cam, num_decodes: int, context_lens, seq_lens_cpu):
+    def _boundaries(self, common_attn_metadata, num_decodes: int, context_lens, seq_lens_cpu):
         """Per prefill row, the offsets (tokens of this step) of the block boundaries it crosses before its last
         block, and the slots of those blocks (each keeps the state after (b + 1) * block_size tokens)."""
         bs, offsets, rows, cols = self.block_size, [], [], []
@@ -219,15 +217,15 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             cols += list(blocks)
         if not rows:
             return offsets, None
-        table = cam.block_table_tensor
+        table = common_attn_metadata.block_table_tensor
         idx = upload(torch.tensor([rows, cols], dtype=torch.int64), table.device)
         return offsets, table[idx[0], idx[1]].to(torch.int64)
 
-    def _build_graph_decode(self, cam, query_lens, context_lens, capture: bool):
+    def _build_graph_decode(self, common_attn_metadata, query_lens, context_lens, capture: bool):
         """Metadata for a batch that a FULL decode graph may replay: every real row one token, then only the
         runner's padding rows of zero tokens. Returns None for any other batch (the general path handles it).
         capture: the runner's dummy rows for a graph capture (no request, no state to reset)."""
-        num_reqs = cam.num_reqs
+        num_reqs = common_attn_metadata.num_reqs
         if num_reqs == 0 or num_reqs > self.graph_slots.max_batch:
             return None
         num_real = int((query_lens > 0).sum())
@@ -235,9 +233,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return None  # a longer row, or zero-token rows not all at the end: not a uniform decode batch
         fresh_rows = torch.nonzero(context_lens[:num_real] == 0).view(-1)
         if not capture and fresh_rows.numel():  # a fresh row's only token is in block 0
-            table = cam.block_table_tensor
+            table = common_attn_metadata.block_table_tensor
             self.graph_slots.zero(table[:, 0].index_select(0, upload(fresh_rows, table.device)).to(torch.int64))
-        slots, slots_i32 = self.graph_slots.write(self._running_slots(cam, num_real), num_reqs)
+        slots, slots_i32 = self.graph_slots.write(self._running_slots(common_attn_metadata, num_real), num_reqs)
         return Mamba2PluginMetadata(
             num_decodes=num_reqs,
             num_decode_tokens=num_reqs,  # padded rows are tokens of the padded batch too

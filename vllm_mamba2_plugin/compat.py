@@ -109,11 +109,11 @@ def mamba2_state_copy_funcs():
     return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
 
 
-def seq_lens_cpu(cam) -> torch.Tensor:
-    upper = getattr(cam, "seq_lens_cpu_upper_bound", None)
+def seq_lens_cpu(common_attn_metadata) -> torch.Tensor:
+    upper = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None)
     if upper is not None:
         return upper
-    return cam.seq_lens_cpu  # 0.26: a lazily copied property
+    return common_attn_metadata.seq_lens_cpu  # 0.26: a lazily copied property
 
 
 def static_forward_context() -> dict:

@@ -169,28 +169,28 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             out.zero_()
             return
         assert isinstance(meta, Mamba2PluginMetadata), type(meta)
-        k = get_kernels(projected.device)
+        ops = get_kernels(projected.device)
         conv_state, ssm_state = compat.layer_states(self)
         nd, n_tok = meta.num_decode_tokens, meta.num_actual_tokens
         z, xBC, dt = self._split_projection(row_range(projected, 0, n_tok))
 
         if meta.num_prefills == 0:  # decode-only step (every FULL-graph step)
-            y = self._decode_step(k, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
+            y = self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                   meta.state_indices_d_i32)
-            self._gated_norm(k, y, z, out=row_range(out, 0, n_tok))
+            self._gated_norm(ops, y, z, out=row_range(out, 0, n_tok))
         else:
             # Decode rows and prefill rows are normed separately, each straight into its rows of out: one more
             # norm launch instead of concatenating the two outputs (a copy of every token's d_inner outputs per
             # layer; 2.6 ms of a 2.7b mixed step on the H200, benchmarks/RESULTS.md). The norm is per row.
             if nd > 0:
-                y_d = self._decode_step(k, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
+                y_d = self._decode_step(ops, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
                                         meta.state_indices_d_i32)
-                self._gated_norm(k, y_d, z[:nd], out=out[:nd])
-            y_p = self._prefill_step(k, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state, ssm_state,
+                self._gated_norm(ops, y_d, z[:nd], out=out[:nd])
+            y_p = self._prefill_step(ops, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state, ssm_state,
                                      meta.state_indices_p, meta.query_start_loc_p, meta.has_initial_state_p,
                                      meta.any_initial_state_p, meta.prefill_plan,
                                      boundaries=(meta.boundary_offsets_p, meta.boundary_slots_p))
-            self._gated_norm(k, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
+            self._gated_norm(ops, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
         if out.shape[0] > n_tok:
             out[n_tok:] = 0
 
@@ -207,19 +207,19 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
     def _conv_weight(self):
         return self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
 
-    def _decode_step(self, k, xBC, dt, conv_state, ssm_state, slots, slots_i32):
+    def _decode_step(self, ops, xBC, dt, conv_state, ssm_state, slots, slots_i32):
         """One token per row on top of the state in each row's slot: conv update, then SSM update.
         slots / slots_i32: the same slot ids as int64 (SSM kernel: 64-bit pool offsets) and int32 (conv
         kernel's type), both made once per step by the builder rather than cast here in every layer."""
-        xBC = k.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
+        xBC = ops.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
         x, B, C = self._split_xbc(xBC)
         if self.dt_limit_is_noop:
-            return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
+            return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
                                       dt_softplus=True)
-        dt = k.process_dt(dt, self.dt_bias, self.dt_limit)
-        return k.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
+        dt = ops.process_dt(dt, self.dt_bias, self.dt_limit)
+        return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _prefill_step(self, k, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan,
+    def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan,
                       boundaries=(None, None)):
         """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
         sequence starting from its slot's state where has_init says so; final states written back by slot.
@@ -229,9 +229,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         flags = has_init if any_init else None
         conv_init = conv_state.index_select(0, slots) if any_init else None
         if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
-            conv_state.index_copy_(0, boundary_slots, k.conv_states_at(
+            conv_state.index_copy_(0, boundary_slots, ops.conv_states_at(
                 xBC, qsl, self.conv_kernel, offsets, conv_init, flags, plan=plan).to(conv_state.dtype))
-        xBC_p, conv_final = k.causal_conv1d(
+        xBC_p, conv_final = ops.causal_conv1d(
             xBC, self._conv_weight(), self.conv1d.bias, qsl, initial_states=conv_init, has_initial_state=flags,
             activation="silu", plan=plan,
         )
@@ -241,24 +241,24 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         x_p, B_p, C_p = self._split_xbc(xBC_p)
         # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
         # and returns the final states in the pool's dtype.
-        scan = k.ssd_chunk_scan(
+        scan = ops.ssd_chunk_scan(
             x_p, dt, self.A, B_p, C_p, self.chunk_size, qsl,
             initial_states=ssm_state.index_select(0, slots) if any_init else None, has_initial_state=flags, D=self.D,
             plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
             **({} if boundary_slots is None else {"boundary_offsets": offsets}),
         )
-        y_p, ssm_final = scan[0], scan[1]
+        y_p, ssm_final, *boundary_states = scan  # boundary states: with boundary_offsets only
         ssm_state.index_copy_(0, slots, ssm_final)
         if boundary_slots is not None:
-            ssm_state.index_copy_(0, boundary_slots, scan[2])
+            ssm_state.index_copy_(0, boundary_slots, boundary_states[0])
         return y_p
 
-    def _gated_norm(self, k, y, z, out=None):
+    def _gated_norm(self, ops, y, z, out=None):
         """The gated norm into ``out``; when the group spans the TP ranks, y itself (forward() norms it)."""
         y = y.view(y.shape[0], self.d_inner)
         if not self.norm_in_op:
             return y if out is None else out.copy_(y)
-        return k.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size, out=out)
+        return ops.gated_rms_norm(y, z, self.norm.weight, self.norm_eps, self.norm_group_size, out=out)
 
     # ---- packed blocks on given pools: the kernel warm-up (kernels/cuda/warmup.py) and the tests -------------
     def scratch_pools(self, num_slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,27 +273,27 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         each resuming its slot's state where ``resumed`` says so. boundary_offsets (one list per sequence, prefix
         caching's): the states after those tokens go to the slots after the sequences', in order. Returns the
         normed output (sum(lengths), d_inner). kernels: the kernel module (default: the device's)."""
-        k = kernels or get_kernels(rows.device)
+        ops = kernels or get_kernels(rows.device)
         cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
         T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
         z, xBC, dt = self._split_projection(rows)
-        plan = k.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
+        plan = ops.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
         slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
         boundary_slots = None
         if boundary_offsets is not None:
             M = sum(len(offs) for offs in boundary_offsets)
             boundary_slots = torch.arange(first_slot + len(lengths), first_slot + len(lengths) + M, device=dev)
-        y = self._prefill_step(k, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
+        y = self._prefill_step(ops, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
                                bool(flags.any()), plan, boundaries=(boundary_offsets, boundary_slots))
-        return self._gated_norm(k, y, z, out=rows.new_empty(T, self.d_inner))
+        return self._gated_norm(ops, y, z, out=rows.new_empty(T, self.d_inner))
 
     def run_decode_rows(self, rows, slots, conv_pool, ssm_pool):
         """One decode step of ``rows`` (B, projection width) of projection outputs on the states in ``slots``
         (B,) through the real decode path and its gated norm. Returns the normed output (B, d_inner)."""
-        k = get_kernels(rows.device)
+        ops = get_kernels(rows.device)
         z, xBC, dt = self._split_projection(rows)
-        y = self._decode_step(k, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
-        return self._gated_norm(k, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
+        y = self._decode_step(ops, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
+        return self._gated_norm(ops, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

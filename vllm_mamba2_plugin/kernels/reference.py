@@ -93,7 +93,7 @@ def row_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return t if a == 0 and b == t.shape[0] else t[a:b]
 
 
-def _select_initial(
+def select_initial(
     initial_states: Optional[torch.Tensor],
     has_initial_state: Optional[torch.Tensor],
     shape: Sequence[int],
@@ -116,7 +116,8 @@ def _select_initial(
     return torch.where(keep, init, torch.zeros(shape, dtype=dtype, device=device))
 
 
-def _groups(H: int, G: int) -> int:
+def heads_per_group(H: int, G: int) -> int:
+    """H // G, refusing a head count that the groups do not divide."""
     if G <= 0 or H % G != 0:
         raise ValueError(f"nheads ({H}) must be a multiple of ngroups ({G})")
     return H // G
@@ -175,7 +176,7 @@ def ssd_chunk_scan(
     """
     T, H, P = x.shape
     G, N = B.shape[-2], B.shape[-1]
-    R = _groups(H, G)  # heads per group
+    R = heads_per_group(H, G)  # heads per group
     cs = int(chunk_size)
     if cs <= 0:
         raise ValueError("chunk_size must be positive")
@@ -197,7 +198,7 @@ def ssd_chunk_scan(
 
     if dt_bias is not None:
         dt = process_dt(dt, dt_bias, dt_limit)
-    h0 = _select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
+    h0 = select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
 
     if n_chunks == 0:
         if boundary_offsets is not None:
@@ -355,7 +356,7 @@ def causal_conv1d(
     if T_used > T:
         raise ValueError(f"cu_seqlens ends at {T_used} but x has only {T} tokens")
 
-    init = _select_initial(initial_states, has_initial_state, (S, K, Dm), f32, dev)  # (S, K, D)
+    init = select_initial(initial_states, has_initial_state, (S, K, Dm), f32, dev)  # (S, K, D)
     if T_used == 0:  # nothing to convolve: every final state is its (selected) initial state
         return x.new_zeros(T, Dm), init.to(x.dtype)
 
@@ -408,7 +409,7 @@ def conv_states_at(
     cu = _seq_lens(cu_seqlens)
     S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
     _check_offsets([b - a for a, b in zip(cu[:-1], cu[1:])], boundary_offsets)
-    init = _select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    init = select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
     out = []
     for s, offs in enumerate(boundary_offsets):
         seq = torch.cat([init[s], x[cu[s]: cu[s + 1]]])  # (K + len, D): the state rows, then the inputs
@@ -486,7 +487,7 @@ def ssm_state_update(
     """
     Bsz, H, P = x.shape
     G, N = B.shape[-2], B.shape[-1]
-    R = _groups(H, G)
+    R = heads_per_group(H, G)
     f32 = torch.float32
     idx, real = _padding(state_indices, ssm_states.device)
 

@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import reference
-from ..reference import _select_initial
+from ..reference import select_initial
 from . import upstream
 from .varlen_plan import VarlenPlan, build_plan, conv_boundary_rows, conv_plan
 
@@ -100,7 +100,7 @@ def conv_states_at(
     rows = conv_boundary_rows(plan, boundary_offsets, K)
     out = x.index_select(0, rows.x_rows)
     if rows.pick is not None:
-        init = _select_initial(initial_states, has_initial_state, (plan.S, K, Dm), x.dtype, x.device)
+        init = select_initial(initial_states, has_initial_state, (plan.S, K, Dm), x.dtype, x.device)
         out = torch.cat([out, init.reshape(plan.S * K, Dm)]).index_select(0, rows.pick)
     return out.view(-1, K, Dm)
 
@@ -137,7 +137,7 @@ def _extended(x, weight, bias, plan: VarlenPlan, initial_states, has_initial_sta
     # (S, K, D) in x.dtype, zeros where not flagged (garbage-safe; a step of cache hits has none to mask); only
     # read below.
     flags = None if plan.all_resume else has_initial_state
-    init = _select_initial(initial_states, flags, (S, K, Dm), x.dtype, x.device)
+    init = select_initial(initial_states, flags, (S, K, Dm), x.dtype, x.device)
     # index_copy_ / index_select, not advanced indexing: the same kernels' work for less host time (prefill steps
     # are host-bound: benchmarks/prefill_layer.py).
     ext = torch.empty(cp.E, Dm, dtype=x.dtype, device=x.device)  # fresh, contiguous: 16-byte aligned rows

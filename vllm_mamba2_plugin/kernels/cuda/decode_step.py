@@ -43,7 +43,7 @@ def ssm_state_update(
     """
     Bsz, H, P = x.shape
     N = ssm_states.shape[-1]
-    reference._groups(H, B.shape[-2])
+    reference.heads_per_group(H, B.shape[-2])
     if Bsz == 0:
         return x.new_empty(0, H, P)
     k = upstream.kernels()

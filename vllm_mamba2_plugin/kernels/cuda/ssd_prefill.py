@@ -50,12 +50,12 @@ built by the metadata builder from host bounds, uploaded once); without one, bui
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .. import reference
-from ..reference import _select_initial, row_range
+from ..reference import row_range, select_initial
 from . import upstream
 from .varlen_plan import (
     BoundaryPlan,
@@ -115,7 +115,7 @@ def ssd_chunk_scan(
     """
     T, H, P = x.shape
     N = B.shape[-1]
-    reference._groups(H, B.shape[-2])
+    reference.heads_per_group(H, B.shape[-2])
     dev = x.device
     if plan is None:
         plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, chunk_size, (), dev)
@@ -139,7 +139,7 @@ def ssd_chunk_scan(
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
     """Paths 1-6 of the module doc (``VarlenPlan.resume_path``): (out (Tu, H, P) in x's dtype, final states
-    (S', H, P, N) of the non-empty sequences, in C's dtype or float32, ``_Calls``: the result tuples of the calls
+    (S', H, P, N) of the non-empty sequences, in C's dtype or float32, ``_Calls``: the ``SsdResult``s of the calls
     made, whose passed states give prefix caching's boundary states)."""
     has = initial_states is not None
     path = plan.resume_path(has, fwd.pads_are_inert())
@@ -160,7 +160,7 @@ def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
         return (*_resumed_rows(fwd, out, fin_k, plan, initial_states, calls), calls)
     lo, hi = plan.cu[0], plan.cu[-1]
     H = fwd.x.shape[1]
-    dt_ht = res[2][0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
+    dt_ht = res.dt[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
     fin_k = fin_k.to(torch.float32)
     out = add_initial_state(out, fin_k, dt_ht, fwd.A, fwd.C[lo:hi], plan.init,
                             initial_states[plan.init.rows].to(torch.float32))
@@ -168,7 +168,7 @@ def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
 
 
 class _Calls:
-    """The result tuples (``_Forward``) of a scan's calls: the packed call, the resumed rows' call, each
+    """The ``SsdResult``s of a scan's calls: the packed call, the resumed rows' call, each
     resumed sequence's rerun (by sequence)."""
 
     def __init__(self):
@@ -179,7 +179,7 @@ def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls:
                      state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
     sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call (``_packed_states_at``), the passed states
-    (``[4]``, in C's dtype) of the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in
+    (``states``, in C's dtype) of the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in
     state_dtype) and a second pass for the rest. (M, H, P, N) in state_dtype."""
     H, P, N = hpn
     parts = []
@@ -188,9 +188,9 @@ def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls:
     if bp.rows.numel():
         if calls.rows is None:
             raise AssertionError("boundary states planned from a call that did not run")
-        parts.append(calls.rows[4].reshape(-1, H, P, N).index_select(0, bp.rows).to(state_dtype))
+        parts.append(calls.rows.states.reshape(-1, H, P, N).index_select(0, bp.rows).to(state_dtype))
     for s, idx in bp.rerun.items():
-        parts.append(calls.rerun[s][4][0].index_select(0, idx).to(state_dtype))
+        parts.append(calls.rerun[s].states[0].index_select(0, idx).to(state_dtype))
     if bp.final.numel():
         parts.append(finals.index_select(0, bp.final))
     if bp.rest is not None:
@@ -210,8 +210,8 @@ def _packed_states_at(fwd: "_Forward", plan: VarlenPlan, res, pairs: torch.Tenso
     if res is None:
         raise AssertionError("boundary states planned from a packed call that did not run")
     lo, hi = plan.cu[0], plan.cu[-1]
-    states = upstream.kernels().chunk_state_varlen(row_range(fwd.B, lo, hi), row_range(fwd.x, lo, hi), res[2][0],
-                                                   res[3][0], pairs, res[4][0])
+    states = upstream.kernels().chunk_state_varlen(row_range(fwd.B, lo, hi), row_range(fwd.x, lo, hi), res.dt[0],
+                                                   res.dA_cumsum[0], pairs, res.states[0])
     return states[0::2]
 
 
@@ -242,11 +242,11 @@ def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_off
         res = fwd(a, a + last, **kw) if all(o % cs == 0 or o == last for o in offs) else None
         for o in offs:
             if res is not None and o == last:
-                out.append(res[5][0])
+                out.append(res.final_states[0])
             elif res is not None:
-                out.append(res[4][0, o // cs])
+                out.append(res.states[0, o // cs])
             else:
-                out.append(fwd(a, a + o, **kw)[5][0])
+                out.append(fwd(a, a + o, **kw).final_states[0])
     if not out:
         return torch.zeros(0, *hpn, dtype=state_dtype, device=fwd.x.device)
     return torch.stack([t.to(state_dtype) for t in out])
@@ -261,15 +261,28 @@ def _boundary_rows(fwd: "_Forward", bp: BoundaryRowsPlan, initial_states, state_
     else:  # unflagged rows hold garbage (vLLM never zeroes a slot): masked, not multiplied
         h0 = initial_states.index_select(0, bp.seq).masked_fill_(bp.fresh[:, None, None, None], 0.0)
     res = fwd.padded(bp.rows, h0)
-    states = torch.cat([res[4].reshape(I * bp.nchunks, H, P, N).to(state_dtype), res[5].to(state_dtype)])
+    states = torch.cat([res.states.reshape(I * bp.nchunks, H, P, N).to(state_dtype),
+                        res.final_states.to(state_dtype)])
     return states.index_select(0, bp.pick)
+
+
+class SsdResult(NamedTuple):
+    """What mamba-ssm's SSD forward returns (ssd_combined.py:386-391), by name; I batch rows, Q chunks per row."""
+
+    out: torch.Tensor  # (I, L, H, P) in x's dtype
+    out_x: Optional[torch.Tensor]  # None (no z)
+    dt: torch.Tensor  # (I, H, Q, chunk) float32: the processed step sizes
+    dA_cumsum: torch.Tensor  # (I, H, Q, chunk) float32: the in-chunk cumulative dt * A
+    states: torch.Tensor  # (I, Q, H, P, N) in C's dtype: the state entering each chunk (after state passing)
+    final_states: torch.Tensor  # (I, H, P, N) float32 (ssd_state_passing.py:208)
+    varlen_states: Optional[torch.Tensor] = None  # (S', H, P, N) in C's dtype, with cu_seqlens only
 
 
 class _Forward:
     """mamba-ssm's SSD forward over tokens [a, b) of the step as one batch row (1, b-a, ...), dt raw (softplus +
     limit inside) or processed. The forward function itself, not the autograd Function around it: inference
-    needs no saved tensors, and prefill steps are host-bound. A call returns (out, out_x, dt, dA_cumsum, states,
-    final_states[, varlen_states]) (ssd_combined.py:343-393)."""
+    needs no saved tensors, and prefill steps are host-bound. A call returns an ``SsdResult``
+    (ssd_combined.py:343-393)."""
 
     def __init__(self, x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit):
         self.x, self.dt, self.A, self.B, self.C, self.chunk_size, self.D = x, dt, A, B, C, int(chunk_size), D
@@ -305,38 +318,39 @@ class _Forward:
         def row(t):
             return t.view(rows.I, rows.L, *t.shape[1:])
 
-        return upstream.kernels().ssd_fwd(row(g.x), row(g.dt), self.A, row(g.B), row(g.C), self.chunk_size, D=self.D,
-                                          dt_bias=self.dt_bias, dt_softplus=self.raw, dt_limit=self.dt_limit,
-                                          initial_states=initial_states)
+        return SsdResult(*upstream.kernels().ssd_fwd(row(g.x), row(g.dt), self.A, row(g.B), row(g.C),
+                                                     self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                                     dt_softplus=self.raw, dt_limit=self.dt_limit,
+                                                     initial_states=initial_states))
 
     def __call__(self, a: int, b: int, **kw):
         def rows(t):
             return row_range(t, a, b).unsqueeze(0)
 
-        return upstream.kernels().ssd_fwd(rows(self.x), rows(self.dt), self.A, rows(self.B), rows(self.C),
-                                          self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=self.raw,
-                                          dt_limit=self.dt_limit, **kw)
+        return SsdResult(*upstream.kernels().ssd_fwd(rows(self.x), rows(self.dt), self.A, rows(self.B),
+                                                     rows(self.C), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                                     dt_softplus=self.raw, dt_limit=self.dt_limit, **kw))
 
 
 def _packed_call(fwd: _Forward, plan: VarlenPlan, first_state: Optional[torch.Tensor], state_dtype):
     """The one packed call of all non-empty sequences (seq_idx: int32 0..S'-1; the kernels only compare ids,
     ssd_bmm.py:84-88), the first one starting from first_state's row (path 3) if given.
-    Returns (out (Tu, H, P) x.dtype, final states (S', H, P, N), the kernel's result tuple)."""
+    Returns (out (Tu, H, P) x.dtype, final states (S', H, P, N), the call's ``SsdResult``)."""
     aligned = plan.final_chunks is not None
     first = plan.nonempty[0]
     res = fwd(plan.cu[0], plan.cu[-1], seq_idx=plan.seq_idx_row,
               **({} if aligned else {"cu_seqlens": plan.cu_k}),
               **({} if first_state is None else {"initial_states": first_state[first: first + 1]}))
     if not aligned:
-        return res[0][0], res[-1], res  # varlen states, in C's dtype (chunk_state_varlen)
+        return res.out[0], res.varlen_states, res  # varlen states, in C's dtype (chunk_state_varlen)
     # Every sequence but the last ends where a chunk ends: its final state is the state that state passing
     # hands to the next chunk (ssd_state_passing.py:82; the next chunk's sequence then resets it, :77-79), and
     # the last one's is the row's final state (float32, :84). No chunk_state_varlen launch, and no chunk-0 gap.
-    fin_k = res[5]  # (1, H, P, N)
+    fin_k = res.final_states  # (1, H, P, N)
     if plan.final_chunks.numel():
-        cat = torch.promote_types(res[4].dtype, state_dtype)  # passed states are in C's dtype
-        fin_k = torch.cat([res[4][0].index_select(0, plan.final_chunks).to(cat), fin_k.to(cat)])
-    return res[0][0], fin_k, res
+        cat = torch.promote_types(res.states.dtype, state_dtype)  # passed states are in C's dtype
+        fin_k = torch.cat([res.states[0].index_select(0, plan.final_chunks).to(cat), fin_k.to(cat)])
+    return res.out[0], fin_k, res
 
 
 def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size: int, state_dtype):
@@ -347,7 +361,7 @@ def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size:
     end = plan.cu[first + 1] - plan.cu[0]
     if end > chunk_size or plan.final_chunks is not None:
         return fin_k
-    decay = torch.exp(res[3][0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's own
+    decay = torch.exp(res.dA_cumsum[0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's
     # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two full-size
     # copies per layer of every chunked-prefill step: benchmarks/RESULTS.md).
     row0 = fin_k[0].to(torch.float32) + decay[:, None, None] * initial_states[first].to(torch.float32)
@@ -364,8 +378,8 @@ def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, 
     for s in plan.others:
         a, b = plan.cu[s], plan.cu[s + 1]
         r = calls.rerun[s] = fwd(a, b, initial_states=initial_states[s: s + 1])
-        out[a - lo: b - lo] = r[0][0]
-        fin_k[plan.nonempty.index(s)] = r[5][0]  # float32 (ssd_state_passing.py:208)
+        out[a - lo: b - lo] = r.out[0]
+        fin_k[plan.nonempty.index(s)] = r.final_states[0]  # float32 (ssd_state_passing.py:208)
     return out, fin_k
 
 
@@ -379,11 +393,11 @@ def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, c
     rp = plan.rows
     h0 = initial_states if plan.all_resume and not plan.lead else initial_states.index_select(0, plan.init.rows)
     res = calls.rows = fwd.padded(rp.rows, h0)
-    y = res[0].reshape(rp.rows.I * rp.rows.L, *res[0].shape[2:]).index_select(0, rp.real)
-    if out is None:  # every token is a resumed sequence's, in packed order; res[5] is float32
-        return y, res[5]  # (ssd_state_passing.py:208)
+    y = res.out.reshape(rp.rows.I * rp.rows.L, *res.out.shape[2:]).index_select(0, rp.real)
+    if out is None:  # every token is a resumed sequence's, in packed order; res.final_states is float32
+        return y, res.final_states  # (ssd_state_passing.py:208)
     out = out.index_copy(0, rp.dst, y)
-    return out, fin_k.to(torch.float32).index_copy(0, plan.init.pos, res[5])
+    return out, fin_k.to(torch.float32).index_copy(0, plan.init.pos, res.final_states)
 
 
 def add_initial_state(
@@ -458,8 +472,8 @@ def _scatter(x, out, fin_k, plan: VarlenPlan, initial_states, has_initial_state,
 
 
 def _initial_or_zeros(initial_states, has_initial_state, shape, dtype, dev) -> torch.Tensor:
-    """``_select_initial`` as a fresh tensor (never the caller's initial_states: callers write into it)."""
-    h0 = _select_initial(initial_states, has_initial_state, shape, dtype, dev)
+    """``select_initial`` as a fresh tensor (never the caller's initial_states: callers write into it)."""
+    h0 = select_initial(initial_states, has_initial_state, shape, dtype, dev)
     if initial_states is not None and h0.data_ptr() == initial_states.data_ptr():
         h0 = h0.clone()
     return h0
