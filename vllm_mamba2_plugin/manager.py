@@ -9,9 +9,9 @@ the last computed token's block into the block of the step's last token, and the
 block boundaries. vLLM's scheduler would also stop every chunk at its prompt's last boundary; the plugin's layers
 write every boundary's state wherever it falls in a step, so building this manager lets a prompt's last chunk run
 to its end (patches.py, 4). vLLM's align manager would leave the blocks in between null, keeping one state per
-scheduled chunk; this manager allocates a block for every boundary instead -- MambaManager's allocation outside
-"align", which both supported releases keep -- and frees each block once a later one holds the request's
-state, keeping its hash, so it stays a cache hit until evicted.
+scheduled chunk; this manager allocates a block for every boundary instead and frees each block once a later one
+holds the request's state, keeping its hash, so it stays a cache hit until evicted
+(tests/test_spec_manager.py checks the block ids step by step).
 """
 
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
@@ -19,9 +19,10 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from . import patches
 from .spec import Mamba2StateSpec
 
-# MambaManager's non-"align" paths: one block per block_size tokens, blocks before the last computed token freed
-# (0.26 calls this mode "all"; 0.32 keeps its code paths under any mode other than "align").
-EVERY_BOUNDARY = "all"
+# MambaManager tests its mode only for "align" (vLLM 0.26 and 0.32); under any other mode it allocates a block
+# per block_size tokens and frees the blocks before the last computed token's (get_num_skipped_tokens). "none" is
+# a mode both releases define (0.32 dropped 0.26's "all").
+EVERY_BOUNDARY = "none"
 
 
 class Mamba2StateManager(MambaManager):
