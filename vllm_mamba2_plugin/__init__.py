@@ -1,9 +1,10 @@
-"""vllm-mamba2-plugin: serve Mamba2 state-space LMs on vLLM's V1 engine, no vLLM patch.
+"""vllm-mamba2-plugin: serve Mamba2 state-space LMs on vLLM's V1 engine.
 
 vLLM calls ``register()`` (entry point ``vllm.general_plugins`` -> ``mamba2``) in every process it starts:
 front end, engine core, workers, and the registry-inspection subprocess. It must therefore be idempotent,
 import little, and never touch CUDA: the model class is registered by its "module:Class" string, so the model
-code (and the CUDA kernels behind it) is imported only where vLLM builds the model.
+code (and the CUDA kernels behind it) is imported only where vLLM builds the model. On a vLLM release outside the
+supported ones it registers only a refusal (version_gate.py).
 """
 
 __version__ = "0.1.0"
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 PLUGIN_ARCH = "Mamba2PluginForCausalLM"
 HF_ARCH = "Mamba2ForCausalLM"
 MODEL_CLASS_PATH = "vllm_mamba2_plugin.model:Mamba2PluginForCausalLM"
+REFUSAL_CLASS_PATH = "vllm_mamba2_plugin.version_gate:UnsupportedVllmModel"
 MIXER_OP = "vllm::mamba2_plugin_mixer"
 
 _registered = False
@@ -20,13 +22,19 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from . import envs, version_gate
+
+    version = version_gate.vllm_release()
+    if not version_gate.is_supported(version) and not envs.unverified_vllm():
+        _register_refusal(version)
+        _registered = True
+        return
     from vllm import ModelRegistry
     from vllm.config.compilation import CompilationConfig
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from . import envs
     from .manager import Mamba2StateManager
     from .spec import Mamba2StateSpec
     from .validation import Mamba2PluginConfig
@@ -47,6 +55,21 @@ def register() -> None:
         CompilationConfig._attention_ops.append(MIXER_OP)
     _register_mamba_ssm_format()
     _registered = True
+
+
+def _register_refusal(version: str) -> None:
+    """An unsupported vLLM: the in-tree Mamba2 keeps its name; the plugin's own name fails at start-up, saying
+    why (version_gate.py)."""
+    import logging
+
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from . import version_gate
+
+    ModelRegistry.register_model(PLUGIN_ARCH, REFUSAL_CLASS_PATH)
+    MODELS_CONFIG_MAP[PLUGIN_ARCH] = version_gate.RefuseUnsupportedVllm
+    logging.getLogger(__name__).warning(version_gate.unsupported_message(version))
 
 
 def _register_mamba_ssm_format() -> None:

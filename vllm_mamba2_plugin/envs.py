@@ -19,6 +19,10 @@ VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH
                               "1" (default): under the fast launch, a kernel already compiled for a call's
                               specialisation is launched directly, without JITFunction.run's per-call binding
                               and cache-key work (kernels/cuda/triton_launch.py, DirectLaunch). "0": JITFunction.run.
+VLLM_MAMBA2_PLUGIN_UNVERIFIED_VLLM
+                              "0" (default): on a vLLM release outside the supported ones (version_gate.py) the
+                              plugin registers nothing but a refusal, and vLLM's in-tree Mamba2 serves
+                              Mamba2ForCausalLM. "1": register the plugin anyway.
 VLLM_MAMBA2_PLUGIN_SSD_CONFIGS
                               "extended" (default): mamba-ssm's SSD autotuners also try the configs of vLLM's
                               copies of those kernels (kernels/cuda/triton_launch.py). "upstream": mamba-ssm's lists.
@@ -72,3 +76,7 @@ def direct_launch() -> bool:
 
 def ssd_configs() -> str:
     return _choice("VLLM_MAMBA2_PLUGIN_SSD_CONFIGS", ("extended", "upstream"))
+
+
+def unverified_vllm() -> bool:
+    return _flag("VLLM_MAMBA2_PLUGIN_UNVERIFIED_VLLM", False)
