@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from vllm_mamba2_plugin.kernels import cuda, reference
+from vllm_mamba2_plugin.kernels import cpu, cuda, reference
 from vllm_mamba2_plugin.kernels.interface import Mamba2Kernels
 
 MEMBERS = [name for name, fn in vars(Mamba2Kernels).items() if inspect.isfunction(fn) and not name.startswith("_")]
@@ -17,7 +17,7 @@ def _params(fn, skip_self=False):
     return params[1:] if skip_self else params
 
 
-@pytest.mark.parametrize("module", [reference, cuda], ids=["reference", "cuda"])
+@pytest.mark.parametrize("module", [reference, cuda, cpu], ids=["reference", "cuda", "cpu"])
 @pytest.mark.parametrize("name", MEMBERS)
 def test_the_implementation_exports_the_member_with_its_parameters(module, name):
     want = _params(getattr(Mamba2Kernels, name), skip_self=True)
@@ -28,4 +28,5 @@ def test_the_implementation_exports_the_member_with_its_parameters(module, name)
 
 
 def test_the_interface_is_what_the_modules_list():
-    assert sorted(MEMBERS) == sorted(cuda.__all__) == sorted(n for n in reference.__all__ if n != "segsum")
+    assert sorted(MEMBERS) == sorted(cuda.__all__) == sorted(cpu.__all__) == sorted(
+        n for n in reference.__all__ if n != "segsum")

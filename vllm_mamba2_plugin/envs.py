@@ -9,8 +9,9 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               (as vLLM's in-tree Mamba2 does; see backend.py) and mixed steps piecewise ones.
                               "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
                               pieces). Both are token-exact against the recurrence on an H200 (tests/gpu).
-VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors, the plain-torch
-                              reference elsewhere. "reference": the reference everywhere (debugging, oracles).
+VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors; on the CPU vLLM's own
+                              decode ops where the installed vLLM has them (kernels/cpu.py), the plain-torch
+                              reference for the rest. "reference": the reference everywhere (debugging, oracles).
 VLLM_MAMBA2_PLUGIN_FAST_LAUNCH
                               "1" (default): mamba-ssm's autotuned SSD kernels are launched with their tuned
                               config without Triton's per-call autotuner bookkeeping (kernels/cuda/triton_launch.py).

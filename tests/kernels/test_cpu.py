@@ -1,0 +1,80 @@
+"""kernels/cpu.py: vLLM's CPU decode ops against the reference (float32 and bfloat16, every grid shape), the
+rows and dtypes that go to the reference instead, and that auto selection picks them on the CPU."""
+
+import pytest
+import torch
+
+from vllm_mamba2_plugin import tiny_model
+from vllm_mamba2_plugin.kernels import cpu, get_kernels, reference
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="this vLLM has no CPU Mamba decode ops")
+
+SHAPES = {name: (s.num_heads, s.head_dim, s.n_groups, s.state_size, s.conv_kernel)
+          for name, s in tiny_model.GRID.items()}
+
+
+def _inputs(H, P, G, N, W, dtype, state_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = H * P + 2 * G * N
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(dt)
+
+    slots = torch.tensor([5, 2, 9, 7])
+    return dict(conv_pool=rnd(12, W - 1, D, dt=state_dtype), xc=rnd(4, D), w=rnd(D, W, scale=0.5), b=rnd(D),
+                ssm_pool=rnd(12, H, P, N, scale=0.1, dt=state_dtype), x=rnd(4, H, P), dt=rnd(4, H),
+                A=-torch.rand(H, generator=g) - 0.5, B=rnd(4, G, N), C=rnd(4, G, N), D=torch.randn(H, generator=g),
+                dt_bias=torch.randn(H, generator=g), slots=slots)
+
+
+def _run(mod, t, raw_dt: bool):
+    conv_pool, ssm_pool = t["conv_pool"].clone(), t["ssm_pool"].clone()
+    yc = mod.conv_update(t["xc"], conv_pool, t["w"], t["b"], t["slots"], "silu")
+    dt = t["dt"] if raw_dt else reference.process_dt(t["dt"], t["dt_bias"], (0.0, 1.5)).to(t["x"].dtype)
+    kw = dict(D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True) if raw_dt else dict(D=t["D"])
+    ys = mod.ssm_state_update(ssm_pool, t["x"], dt, t["A"], t["B"], t["C"], t["slots"], **kw)
+    return yc, conv_pool, ys, ssm_pool
+
+
+def _close(a, b, tol):
+    a, b = a.float(), b.float()
+    assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max())), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("raw_dt", [True, False], ids=["raw-dt", "processed-dt"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_the_decode_ops_match_the_reference_in_float32(shape, raw_dt):
+    t = _inputs(*SHAPES[shape], torch.float32, torch.float32)
+    for got, want in zip(_run(cpu, t, raw_dt), _run(reference, t, raw_dt)):
+        _close(got, want, 1e-5)
+
+
+def test_the_decode_ops_match_the_reference_in_bfloat16():
+    """bf16 activations and pools: outputs and states within a bf16 rounding of the reference's."""
+    t = _inputs(*SHAPES["n32g4"], torch.bfloat16, torch.bfloat16)
+    for got, want in zip(_run(cpu, t, True), _run(reference, t, True)):
+        _close(got, want, 2 ** -7)
+
+
+def test_padding_rows_and_a_pool_of_another_dtype_go_to_the_reference(monkeypatch):
+    """A negative slot (FULL CUDA graphs' padding) must give 0 and leave every slot alone, which the ops do not
+    do; a conv pool of another dtype than x would be rounded to x's. Both run the reference's code."""
+    called = []
+    for name in ("conv_update", "ssm_state_update"):
+        real = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _r=real, _n=name, **k: (called.append(_n), _r(*a, **k))[1])
+    t = _inputs(*SHAPES["n32g4"], torch.float32, torch.float32)
+    t["slots"] = torch.tensor([5, -1, 9, 7])
+    yc, _, ys, _ = _run(cpu, t, True)
+    assert called == ["conv_update", "ssm_state_update"] and not yc[1].any() and not ys[1].any()
+    called.clear()
+    t = _inputs(*SHAPES["n32g4"], torch.bfloat16, torch.float32)
+    _run(cpu, t, True)
+    assert called == ["conv_update"]
+
+
+def test_auto_selection_picks_the_cpu_ops_and_the_switch_the_reference(monkeypatch):
+    monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_KERNELS", raising=False)
+    assert get_kernels(torch.device("cpu")) is cpu
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_KERNELS", "reference")
+    assert get_kernels(torch.device("cpu")) is reference
