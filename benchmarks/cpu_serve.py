@@ -25,7 +25,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.dirname(os.path.abspath(__file__))]
+
+from prefix_cache import emit  # noqa: E402  (one JSON line on stdout and in --out)
 
 SHAPE_130M = dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, n_groups=1, state_size=128,
                   chunk_size=256, expand=2)
@@ -123,10 +125,7 @@ def main() -> None:
             for impl in (("plugin", "intree") if rnd % 2 == 0 else ("intree", "plugin")):
                 row = run(name, impl, args, path, server_args)
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                emit(row, args.out)
     print(table(rows))
 
 

@@ -26,7 +26,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+
+from prefix_cache import emit  # noqa: E402  (one JSON line on stdout and in --out)
 
 SERVER_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
                "--skip-tokenizer-init", "--mamba-ssm-cache-dtype", "float32"]
@@ -125,10 +127,7 @@ def main() -> None:
     for name in models:
         for mode in (args.modes.split(",") if not args.answers_only else ["full"]):
             row = run(args, name, mode)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out)
 
 
 if __name__ == "__main__":

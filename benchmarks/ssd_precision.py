@@ -27,7 +27,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+
+from prefix_cache import emit  # noqa: E402  (one JSON line on stdout and in --out)
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 LENGTHS = (3, 21, 69, 250, 408)  # prompt lengths of the grid's serving runs: one packed prefill step
@@ -131,10 +133,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 row = dict(model=model, precision=precision, error=f"timed out after {args.timeout:.0f} s")
             row["process_s"] = round(time.perf_counter() - t0, 1)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out)
 
 
 if __name__ == "__main__":
