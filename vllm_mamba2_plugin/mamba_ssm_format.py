@@ -21,7 +21,7 @@ vLLM reads it through a config parser (``MambaSsmConfigParser``, format "mamba_s
 import math
 import os
 
-from .validation import ERROR_PREFIX, UnsupportedOptionError
+from .errors import ERROR_PREFIX, UnsupportedOptionError
 
 FORMAT = "mamba_ssm"
 MARKER = "mamba_ssm_checkpoint"  # set on configs read from this format (tokenizer check, validation.py)

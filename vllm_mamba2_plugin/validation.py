@@ -11,13 +11,9 @@ Two kinds of check:
 
 from . import envs, patches
 from .compat import VerifyAndUpdateConfig
+from .errors import ERROR_PREFIX, UnsupportedOptionError  # noqa: F401  (validation.UnsupportedOptionError)
+from .mamba_ssm_format import tokenizer_problem
 from .sharding import valid_tp_sizes
-
-ERROR_PREFIX = "vllm-mamba2-plugin"
-
-
-class UnsupportedOptionError(ValueError):
-    """An engine option or model config the plugin refuses (rather than silently ignoring)."""
 
 
 def _refuse(what: str, fix: str) -> None:
@@ -107,8 +103,6 @@ class Mamba2PluginConfig(VerifyAndUpdateConfig):
         check_engine_options(vllm_config)
         check_hf_config(vllm_config.model_config.hf_config)
         check_parallel_sizes(vllm_config.parallel_config, vllm_config.model_config.hf_config)
-        from .mamba_ssm_format import tokenizer_problem
-
         problem = tokenizer_problem(vllm_config.model_config)
         if problem:
             raise UnsupportedOptionError(problem)
