@@ -37,10 +37,7 @@ class DecodeGraphSlots:
     def write(self, running: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers' first ``num_rows`` entries (int64, int32 views of the persistent buffers): the real rows'
         slots ``running`` ((num_real,) int64), then PAD_SLOT for the padding rows."""
-        if num_rows > self.max_batch:
-            raise ValueError(
-                f"vllm-mamba2-plugin: a FULL decode CUDA graph of {num_rows} requests exceeds the "
-                f"{self.max_batch} persistent state slots; keep cudagraph capture sizes <= max_num_seqs")
+        self.check_batch(num_rows)
         num_real = running.numel()
         slots, slots_i32 = self.slots[:num_rows], self.slots_i32[:num_rows]
         slots[:num_real].copy_(running, non_blocking=True)

@@ -79,8 +79,8 @@ def ssd_chunk_scan(
     """``reference.ssd_chunk_scan`` through ``mamba_chunk_scan_fwd_cpu``, which runs each sequence from its row
     of a float32 state tensor and leaves its final state there. Prefix caching's boundary states, and a D per
     head dim, go to the reference."""
-    if boundary_offsets is not None or (D is not None and D.dim() != 1) or not _has_op("mamba_chunk_scan_fwd_cpu",
-                                                                                       _SCAN_ARGS):
+    if (boundary_offsets is not None or (D is not None and D.dim() != 1)
+            or not _has_op("mamba_chunk_scan_fwd_cpu", _SCAN_ARGS)):
         return reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, has_initial_state,
                                         D, plan, dt_bias, dt_limit, state_dtype, boundary_offsets)
     T, H, P = x.shape
@@ -109,9 +109,7 @@ def conv_update(
     would round the state to x's dtype) or a padding row goes to the reference."""
     if conv_states.dtype != x.dtype or weight.dtype != x.dtype or bool((state_indices < 0).any()):
         return reference.conv_update(x, conv_states, weight, bias, state_indices, activation)
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
-    act = None if activation is None else "silu"
+    act = "silu" if reference.check_activation(activation) else None
     return torch.ops._C.causal_conv1d_update_cpu_vec(x, conv_states.transpose(-1, -2), weight, bias, act,
                                                      state_indices.to(torch.int32), None, _NO_SLOT)
 

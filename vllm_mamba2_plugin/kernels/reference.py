@@ -307,12 +307,15 @@ def _check_offsets(lens: list, boundary_offsets) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+def check_activation(activation: Optional[str]) -> bool:
+    """Whether to apply SiLU (the conv's only activation; "swish" is its other name), refusing any other."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    return activation is not None
+
+
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
-    if activation is None:
-        return y
-    if activation in ("silu", "swish"):
-        return F.silu(y)
-    raise ValueError(f"unsupported activation {activation!r}")
+    return F.silu(y) if check_activation(activation) else y
 
 
 def causal_conv1d(

@@ -65,7 +65,7 @@ def causal_conv1d(
         upstream.fallback(reason)
         return reference.causal_conv1d(x, weight, bias, cu_seqlens, initial_states, has_initial_state,
                                        activation)
-    silu = upstream.check_activation(activation)
+    silu = reference.check_activation(activation)
     if plan is None:
         plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, 1, (W,), x.device)
     elif plan.T != T:
@@ -188,7 +188,7 @@ def conv_update(
         return reference.conv_update(x, conv_states, weight, bias, state_indices, activation)
     if Bsz == 0:
         return x.new_empty(0, Dm)
-    silu = upstream.check_activation(activation)
+    silu = reference.check_activation(activation)
     # int32, stride 1 (causal_conv1d.cpp:519-522); negative entries would be skipped (update.cu:47-54).
     idx = upstream.unit_stride(state_indices.to(device=conv_states.device, dtype=torch.int32))
     if bias is not None and bias.dtype != weight.dtype:

@@ -136,7 +136,6 @@ def _install_launch_path() -> dict:
         return {}
 
 
-
 def fallback(reason: str) -> None:
     """Log, once per reason, that a call goes to the plain-torch reference kernel instead."""
     if reason not in _warned:
@@ -154,13 +153,6 @@ def conv_unsupported(width: int, x_dtype, w_dtype) -> Optional[str]:
     if x_dtype not in CONV_DTYPES or w_dtype not in CONV_DTYPES:
         return f"causal-conv1d does not support dtypes {x_dtype}/{w_dtype}"
     return None
-
-
-def check_activation(activation: Optional[str]) -> bool:
-    """Whether to apply SiLU (causal-conv1d's only activation)."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
-    return activation is not None
 
 
 def unit_stride(idx: torch.Tensor) -> torch.Tensor:
