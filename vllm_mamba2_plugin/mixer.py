@@ -184,12 +184,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             # layer; 2.6 ms of a 2.7b mixed step on the H200, benchmarks/RESULTS.md). The norm is per row.
             if nd > 0:
                 y_d = self._decode_step(ops, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
-                                        meta.state_indices_d_i32)
+                                          meta.state_indices_d_i32)
                 self._gated_norm(ops, y_d, z[:nd], out=out[:nd])
-            y_p = self._prefill_step(ops, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state, ssm_state,
-                                     meta.state_indices_p, meta.query_start_loc_p, meta.has_initial_state_p,
-                                     meta.any_initial_state_p, meta.prefill_plan,
-                                     boundaries=(meta.boundary_offsets_p, meta.boundary_slots_p))
+            y_p = self._prefill_step(ops, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state,
+                                       ssm_state, meta.state_indices_p, meta.query_start_loc_p,
+                                       meta.has_initial_state_p, meta.any_initial_state_p, meta.prefill_plan,
+                                       boundaries=(meta.boundary_offsets_p, meta.boundary_slots_p))
             self._gated_norm(ops, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
         if out.shape[0] > n_tok:
             out[n_tok:] = 0
@@ -215,7 +215,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         x, B, C = self._split_xbc(xBC)
         if self.dt_limit_is_noop:
             return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
-                                      dt_softplus=True)
+                                        dt_softplus=True)
         dt = ops.process_dt(dt, self.dt_bias, self.dt_limit)
         return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
@@ -284,7 +284,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             M = sum(len(offs) for offs in boundary_offsets)
             boundary_slots = torch.arange(first_slot + len(lengths), first_slot + len(lengths) + M, device=dev)
         y = self._prefill_step(ops, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                               bool(flags.any()), plan, boundaries=(boundary_offsets, boundary_slots))
+                                 bool(flags.any()), plan, boundaries=(boundary_offsets, boundary_slots))
         return self._gated_norm(ops, y, z, out=rows.new_empty(T, self.d_inner))
 
     def run_decode_rows(self, rows, slots, conv_pool, ssm_pool):
