@@ -10,6 +10,11 @@ graphs off), "eager" (--enforce-eager).
 
     python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl
     python benchmarks/serve_grid.py --answers-only --answers-dir answers    # the oracle's answers, no server
+    python benchmarks/serve_grid.py --parallel 6 ...    # six servers at a time on one GPU
+
+``--parallel N`` runs N servers at once. Each then gets a fixed state pool (``--kv-cache-memory-bytes``), which
+skips vLLM's memory profiling (a neighbour's start-up would skew it), and the memory-growth check reads its own
+processes' GPU memory.
 
 The oracle's answers depend only on the model and the workload: ``--answers-only`` computes them (on any
 machine) into --answers-dir, where later runs with the same --requests and --seed find them.
@@ -18,6 +23,7 @@ machine) into --answers-dir, where later runs with the same --requests and --see
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import signal
@@ -32,6 +38,7 @@ from prefix_cache import emit  # noqa: E402  (one JSON line on stdout and in --o
 
 SERVER_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--max-model-len", "1024",
                "--skip-tokenizer-init", "--mamba-ssm-cache-dtype", "float32"]
+SHARED_GPU_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.05"]
 MODES = {"full": ([], []), "piecewise": (["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0"], []),
          "eager": ([], ["--enforce-eager"])}  # mode: (server environment, server arguments)
 
@@ -44,10 +51,11 @@ def serve_load_cmd(args, model_dir: str, answers: str, report: str, log: str, mo
            "--requests", str(args.requests), "--concurrency", str(args.concurrency), "--seed", str(args.seed),
            "--answers", answers, "--out", report, "--log", log, "--start-timeout", str(args.timeout * 0.8)]
     cmd += ["--bad-inputs"] if args.bad_inputs else []
+    cmd += ["--gpu-memory-of", "server"] if args.parallel > 1 else []
     cmd += ["--answers-only"] if args.answers_only else []
     for e in env + args.env:
         cmd += ["--env", e]
-    return cmd + ["--"] + SERVER_ARGS + extra
+    return cmd + ["--"] + SERVER_ARGS + extra + (SHARED_GPU_ARGS if args.parallel > 1 else [])
 
 
 def summary(report: dict) -> dict:
@@ -61,12 +69,23 @@ def summary(report: dict) -> dict:
                 load_s=report.get("load_s"))
 
 
+_RUNNING: set = set()  # serve_load processes now running (one per server)
+
+
+def stop_running(signum, frame) -> None:
+    """On SIGTERM (a `timeout` around this script): SIGTERM to every serve_load, on which each stops its server."""
+    for p in list(_RUNNING):
+        p.terminate()
+    for p in list(_RUNNING):
+        p.wait(60)
+    sys.exit(128 + signum)
+
+
 def run_stopping_on_timeout(cmd: list, timeout: float) -> tuple[int, str, str]:
     """Run serve_load; past ``timeout`` stop it with SIGTERM, on which it stops its server (a SIGKILL would leave
     the server holding the GPU for the next run)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # A SIGTERM to this script (a `timeout` around it) passes on to serve_load the same way.
-    signal.signal(signal.SIGTERM, lambda signum, frame: (p.terminate(), p.wait(60), sys.exit(128 + signum)))
+    _RUNNING.add(p)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -77,13 +96,13 @@ def run_stopping_on_timeout(cmd: list, timeout: float) -> tuple[int, str, str]:
             p.kill()
             out, err = p.communicate()
         err += f"\ntimed out after {timeout:.0f} s"
+    finally:
+        _RUNNING.discard(p)
     return p.returncode, out, err
 
 
 def run(args, name: str, mode: str) -> dict:
-    from vllm_mamba2_plugin import tiny_model
-
-    model_dir = tiny_model.build(os.path.join(args.model_dir, name), tiny_model.GRID[name])
+    model_dir = os.path.join(args.model_dir, name)
     answers = os.path.join(args.answers_dir, f"{name}-r{args.requests}-s{args.seed}.json")
     if args.answers_only:
         subprocess.run(serve_load_cmd(args, model_dir, answers, "/dev/null", "/dev/null", mode), check=True)
@@ -120,14 +139,18 @@ def main() -> None:
     ap.add_argument("--log-dir", default="/tmp/serve-grid")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per server run")
     ap.add_argument("--out", default=None, help="append one JSON line per (model, mode)")
+    ap.add_argument("--parallel", type=int, default=1, help="servers at a time")
     args = ap.parse_args()
     for d in (args.model_dir, args.answers_dir, args.log_dir):
         os.makedirs(d, exist_ok=True)
     models = list(tiny_model.GRID) if args.models == "all" else args.models.split(",")
-    for name in models:
-        for mode in (args.modes.split(",") if not args.answers_only else ["full"]):
-            row = run(args, name, mode)
-            emit(row, args.out)
+    for name in models:  # each built once, before the servers that read it
+        tiny_model.build(os.path.join(args.model_dir, name), tiny_model.GRID[name])
+    jobs = [(name, mode) for name in models for mode in (args.modes.split(",") if not args.answers_only else ["full"])]
+    signal.signal(signal.SIGTERM, stop_running)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        for done in concurrent.futures.as_completed([pool.submit(run, args, *job) for job in jobs]):
+            emit(done.result(), args.out)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,11 @@ def main() -> None:
     ap.add_argument("--model", default="h64n128", help="a tiny_model.GRID name")
     ap.add_argument("--tokens", type=int, default=256, help="the profile run's tokens (the step budget)")
     ap.add_argument("--precision", default=None, help="upstream.FP32_DOT_PRECISION (default: the plugin's)")
+    ap.add_argument("--decode", action="store_true", help="then the decode warm-up (warmup.warm_decode)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="Triton cache to use and fill (default: a new empty one, so that every compile counts)")
     args = ap.parse_args()
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-")  # cold: every compile counts
+    os.environ["TRITON_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="triton-")
     import torch
     from cuda_helpers import grid_layer
 
@@ -78,6 +81,10 @@ def main() -> None:
         print(json.dumps(dict(lengths=lengths if len(lengths) < 8 else f"{len(lengths)} sequences",
                               resumed=sum(resumed), seconds=round(time.perf_counter() - t0, 2), compiles=new)),
               flush=True)
+    if args.decode:
+        t0 = time.perf_counter()
+        warmup.warm_decode(layer, torch.zeros(args.tokens, width, device=dev))
+        print(json.dumps(dict(decode=True, seconds=round(time.perf_counter() - t0, 2))), flush=True)
     print(json.dumps(dict(model=args.model, precision=args.precision or upstream.FP32_DOT_PRECISION,
                           deterministic=os.environ.get("MAMBA_DETERMINISTIC", "") == "1",
                           device=torch.cuda.get_device_name(), layouts=len(layouts),

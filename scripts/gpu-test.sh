@@ -38,6 +38,7 @@ set -euo pipefail
 LOG=${OUT:-/tmp/gpu-out}
 mkdir -p "$LOG"
 T0=$(date +%s)
+export GPU_TEST_T0=$T0  # steps can budget their time against the call's limit: $(( $(date +%s) - GPU_TEST_T0 ))
 
 PAYLOAD=.gpu bash scripts/gpu/device-setup.sh 2>&1 | tee "$LOG/setup.log"
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 MAMBA2_TESTS_INSTAFAIL=1

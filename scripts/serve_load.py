@@ -146,6 +146,16 @@ class Server:
         except psutil.Error:
             return float("nan")
 
+    def pids(self) -> set:
+        """The server's process and its children (the engine core)."""
+        import psutil
+
+        try:
+            p = psutil.Process(self.proc.pid)
+            return {p.pid} | {q.pid for q in p.children(recursive=True)}
+        except psutil.Error:
+            return set()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -157,11 +167,18 @@ class Server:
         self.log.close()
 
 
-def gpu_used_mb() -> float | None:
+def gpu_used_mb(pids: set | None = None) -> float | None:
+    """GPU memory in use, MB: the device's, or with ``pids`` that of those processes (None where nvidia-smi
+    shows none of them, as inside a container that hides the host's process ids)."""
+    query = ["--query-gpu=memory.used"] if pids is None else ["--query-compute-apps=pid,used_memory"]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20).stdout
-        return float(out.split()[0])
+        if pids is None:
+            return float(out.split()[0])
+        used = [float(mb) for pid, mb in (line.split(",") for line in out.splitlines() if line.strip())
+                if int(pid) in pids]
+        return sum(used) if used else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
 
@@ -339,6 +356,9 @@ def parse_args(argv):
     ap.add_argument("--bad-inputs", action="store_true", help="also send the malformed requests")
     ap.add_argument("--max-rss-growth-mb", type=float, default=256)
     ap.add_argument("--max-gpu-growth-mb", type=float, default=64)
+    ap.add_argument("--gpu-memory-of", choices=("device", "server"), default="device",
+                    help="whose GPU memory the growth check reads: the device's, or the server's processes' "
+                         "(for servers sharing the GPU; skipped where nvidia-smi shows no process of the server)")
     ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN,
                     help="a divergence where the oracle's top-1 / top-2 logit margin is below this is a near-tie "
                          "(reported, not failed): fp32 kernels against a float64 oracle")
@@ -411,13 +431,14 @@ def serve_and_check(args, server, server_args, cfg, bases, reqs, probe, answers,
     if warm:
         asyncio.run(run_load(args, server, model, bases, warm, answers, report, args.concurrency))
         settle(server.url)
-    report["rss_mb_before"], report["gpu_mb_before"] = server.rss_mb(), gpu_used_mb()
+    gpu_pids = server.pids() if args.gpu_memory_of == "server" else None
+    report["rss_mb_before"], report["gpu_mb_before"] = server.rss_mb(), gpu_used_mb(gpu_pids)
     t0 = time.time()
     asyncio.run(run_load(args, server, model, bases, main_reqs, answers, report, args.concurrency))
     asyncio.run(run_load(args, server, model, bases, tail_reqs, answers, report, args.tail_concurrency))
     report["load_s"] = round(time.time() - t0, 1)
     report["metrics_after"] = settle(server.url)
-    report["rss_mb_after"], report["gpu_mb_after"] = server.rss_mb(), gpu_used_mb()
+    report["rss_mb_after"], report["gpu_mb_after"] = server.rss_mb(), gpu_used_mb(gpu_pids)
     if args.bad_inputs:
         max_model_len = (int(server_args[server_args.index("--max-model-len") + 1])
                          if "--max-model-len" in server_args else cfg.get("max_position_embeddings") or 2048)

@@ -1,5 +1,5 @@
-"""benchmarks/serve_grid.py on the CPU: one grid model under the server through the script (one JSON line, every
-request exact, every bad input a 4xx), and a run past its time limit stops its server."""
+"""benchmarks/serve_grid.py on the CPU: one grid model under two servers at once through the script (a JSON line
+each, every request exact, every bad input a 4xx), and a run past its time limit stops its server."""
 
 import json
 import os
@@ -12,10 +12,10 @@ import psutil
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "serve_grid.py")
 
 
-def serve_grid(tmp_path, *extra, timeout=600):
+def serve_grid(tmp_path, *extra, modes="eager", timeout=600):
     out = tmp_path / "serve_grid.jsonl"
     out.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, SCRIPT, "--models", "h128n64", "--modes", "eager", "--requests", "8",
+    proc = subprocess.run([sys.executable, SCRIPT, "--models", "h128n64", "--modes", modes, "--requests", "8",
                            "--concurrency", "4", "--model-dir", str(tmp_path / "models"),
                            "--answers-dir", str(tmp_path / "answers"), "--log-dir", str(tmp_path / "logs"),
                            "--out", str(out), *extra],
@@ -29,11 +29,13 @@ def servers_of(model_dir: str) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if model_dir in " ".join(p.info["cmdline"] or [])]
 
 
-def test_one_model_under_the_server(tmp_path):
-    [row] = serve_grid(tmp_path)
-    assert row["verdict"] == "PASS" and row["rc"] == 0, row
-    assert row["exact"] == 8 and not row["wrong"] and row["errors"] == 0, row
-    assert row["bad_inputs"] > 0 and row["bad_inputs_ok"] == row["bad_inputs"], row
+def test_one_model_under_two_servers_at_once(tmp_path):
+    rows = serve_grid(tmp_path, "--parallel", "2", modes="eager,piecewise")
+    assert sorted(row["mode"] for row in rows) == ["eager", "piecewise"], rows
+    for row in rows:
+        assert row["verdict"] == "PASS" and row["rc"] == 0, row
+        assert row["exact"] == 8 and not row["wrong"] and row["errors"] == 0, row
+        assert row["bad_inputs"] > 0 and row["bad_inputs_ok"] == row["bad_inputs"], row
 
 
 def test_a_run_past_its_limit_stops_its_server(tmp_path):

@@ -96,15 +96,20 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     specialisation of a step is fixed by (chunk count: 1 / 16k / other) x (T mod 16: 0 / 8 / 4 / 2 / 1 decide
     which multiples of T are divisible by 16) x (path: one fresh prompt, fresh prompts with a boundary inside a
     chunk, a resumed first sequence ending inside chunk 0 or on a chunk boundary). The chunk count reaches 16
-    only in steps of more than 15 chunks, so that class is warmed only when the budget allows such steps.
+    only in steps of more than 15 chunks, and 2 only in calls longer than a chunk (a packed call holds at most
+    ``tokens``, a rows call at most ``tokens`` rounded up to 16), so those classes are warmed only when the budget
+    allows such calls: an unreachable class costs compile time (seconds per layout in float32) for nothing.
 
     Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), up to
-    ``max_rerun`` resumed sequences after a fresh one (each rerun alone: lengths 37, 48 and 1; a resumed first
-    sequence would lead, ``VarlenPlan.lead``), more: as rows of one call
+    ``max_rerun`` resumed sequences after a fresh one (each rerun alone, lengths in Triton's classes other, 16k
+    and 1; a resumed first sequence would lead, ``VarlenPlan.lead``), more: as rows of one call
     (``varlen_plan.ResumedRowsPlan``: batch rows I in Triton's classes "other" and 16k, row length L a multiple of
     16 of one or of 2-15 chunks, where a step within the budget can have them: I * L <= 2 * tokens, half of
     the rows padding) and by the batched correction (a long one among 1-token ones pads too much for rows)."""
-    cs, reruns, many = chunk_size, [37, 48, 1][:max_rerun], max_rerun + 1
+    cs, many = chunk_size, max_rerun + 1
+    multi_chunk = cs < -(-tokens // 16) * 16  # can a call be longer than one chunk
+    lead = cs if multi_chunk else 5  # a fresh first sequence: a chunk long where calls may span chunks
+    reruns = ([37, 48, 1] if multi_chunk else [5, 16, 1])[:max_rerun]  # lengths in Triton's classes
     rows = []
     for L in (16, cs + 16):
         for n in (many, 16):
@@ -116,7 +121,7 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
         ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
         ([1, tokens - 1], [False, True]),  # a rerun: the kernels without seq_idx, with an initial state
     ] if tokens > 2 * cs else []
-    for chunks in [1, 2] + ([16] if tokens >= 15 * cs + 32 else []):
+    for chunks in [1] + ([2] if multi_chunk else []) + ([16] if tokens >= 15 * cs + 32 else []):
         for residue in (0, 8, 4, 2, 1):
             T = (chunks - 1) * cs + 16 + residue  # chunk_size is a multiple of 16 (64, 128, 256 in practice)
             cut = T // 2 if (T // 2) % cs else T // 2 - 1  # a boundary inside a chunk
@@ -127,8 +132,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     return layouts + [
         ([1], [False]),
         ([1], [True]),
-        ([cs + 5, 2], [False, False]),
-        ([cs] + reruns, [False] + [True] * len(reruns)),  # after a fresh first sequence: none leads
+        ([lead + 5, 2], [False, False]),
+        ([lead] + reruns, [False] + [True] * len(reruns)),  # after a fresh first sequence: none leads
         ([1] * many + [20], [True] * (many + 1)),
     ] + rows
 
