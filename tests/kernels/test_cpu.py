@@ -120,3 +120,44 @@ def test_the_prefill_scan_in_bfloat16_and_prefix_caching_goes_to_the_reference(m
     offsets = [[], [64], [], [], []]
     y, fin, states = cpu.ssd_chunk_scan(**t, chunk_size=64, boundary_offsets=offsets)
     assert called and states.shape[0] == 1
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_the_prefill_conv_matches_the_reference(shape, dtype, tol):
+    """Sequences empty, shorter than the conv state, and longer; with and without a state; padding after them."""
+    H, P, G, N, W = SHAPES[shape]
+    D, g = H * P + 2 * G * N, torch.Generator().manual_seed(3)
+    lens = [3, 0, 1, W - 2, 70]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    x = torch.randn(int(cu[-1]) + 4, D, generator=g).to(dtype)
+    init = torch.randn(len(lens), W - 1, D, generator=g).to(dtype)
+    has = torch.tensor([True, True, False, True, False])
+    w, b = (torch.randn(D, W, generator=g) * 0.5).to(dtype), torch.randn(D, generator=g).to(dtype)
+    for bias, act in ((b, "silu"), (None, None)):
+        got = cpu.causal_conv1d(x, w, bias, cu, init, has, act)
+        want = reference.causal_conv1d(x, w, bias, cu, init, has, act)
+        for a, e in zip(got, want):
+            assert a.dtype == e.dtype and a.shape == e.shape
+            _close(a, e, tol)
+        assert not got[0][int(cu[-1]):].any()  # padding tokens stay 0
+    _close(cpu.causal_conv1d(x, w, b, cu)[1], reference.causal_conv1d(x, w, b, cu)[1], 0)  # no states: zeros
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_the_gated_norm_matches_the_reference(shape, dtype, tol):
+    """One group and several, with and without the gate, into a new tensor and into ``out``."""
+    H, P, G, _, _ = SHAPES[shape]
+    d, g = H * P, torch.Generator().manual_seed(4)
+    x, z = (torch.randn(2, 37, d, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    for group_size in {d, d // G}:
+        for gate in (z, None):
+            want = reference.gated_rms_norm(x, gate, w, 1e-5, group_size)
+            got = cpu.gated_rms_norm(x, gate, w, 1e-5, group_size)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            _close(got, want, tol)
+            buf = torch.empty_like(x)
+            assert cpu.gated_rms_norm(x, gate, w, 1e-5, group_size, out=buf) is buf
+            _close(buf, want, tol)

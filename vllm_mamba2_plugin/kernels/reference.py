@@ -70,7 +70,8 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, float("-inf"))
 
 
-def _seq_lens(cu_seqlens: torch.Tensor) -> list:
+def seq_bounds(cu_seqlens: torch.Tensor) -> list:
+    """cu_seqlens on the host, checked non-decreasing."""
     # The one host sync we cannot avoid: chunk counts and gather indices are shape decisions.
     cu = cu_seqlens.tolist()
     if any(b < a for a, b in zip(cu[:-1], cu[1:])):
@@ -183,7 +184,7 @@ def ssd_chunk_scan(
     dev = x.device
     f32 = torch.float32
 
-    cu = _seq_lens(cu_seqlens)
+    cu = seq_bounds(cu_seqlens)
     S = len(cu) - 1
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     # The result does not depend on the chunk length, only the cost does: when every sequence is shorter
@@ -314,7 +315,7 @@ def check_activation(activation: Optional[str]) -> bool:
     return activation is not None
 
 
-def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+def activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     return F.silu(y) if check_activation(activation) else y
 
 
@@ -351,7 +352,7 @@ def causal_conv1d(
     dev = x.device
     f32 = torch.float32
 
-    cu = _seq_lens(cu_seqlens)
+    cu = seq_bounds(cu_seqlens)
     S = len(cu) - 1
     if cu[0] != 0 and S > 0:
         raise ValueError("cu_seqlens must start at 0")
@@ -382,7 +383,7 @@ def causal_conv1d(
     y = (win * weight.to(f32)).sum(-1)
     if bias is not None:
         y = y + bias.to(f32)
-    y = _activate(y, activation)
+    y = activate(y, activation)
 
     out = x.new_zeros(T, Dm)
     out[:T_used] = y.to(x.dtype)
@@ -409,7 +410,7 @@ def conv_states_at(
     x: (T, D) conv inputs  cu_seqlens: (S+1,)  initial_states: (S, W-1, D) or None  has_initial_state: (S,)
     returns (M, W-1, D) in x.dtype, in the order of the offsets (M in all). (Prefix caching keeps them at
     block boundaries.) plan: unused here (the CUDA version's step plan)."""
-    cu = _seq_lens(cu_seqlens)
+    cu = seq_bounds(cu_seqlens)
     S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
     _check_offsets([b - a for a, b in zip(cu[:-1], cu[1:])], boundary_offsets)
     init = select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
@@ -442,7 +443,7 @@ def conv_update(
     y = torch.einsum("bwd,dw->bd", window, weight.to(f32))
     if bias is not None:
         y = y + bias.to(f32)
-    y = torch.where(real[:, None], _activate(y, activation), 0.0)  # 0, not 0 * garbage
+    y = torch.where(real[:, None], activate(y, activation), 0.0)  # 0, not 0 * garbage
     # Shift left by one: drop the oldest input, append the current one.
     conv_states[idx] = window[:, 1:].to(conv_states.dtype)
     return y.to(x.dtype)
