@@ -2,13 +2,14 @@
 
     python benchmarks/schedule_steps.py --model 2.7b --workload misses          # caching off and on, vLLM 0.32
     PYTHONPATH=<an unpacked vLLM 0.26 wheel> python benchmarks/schedule_steps.py --model 2.7b    # 0.26, CPU too
+    PYTHONPATH=<vllm-0.34.0.tar.gz unpacked> VLLM_MAMBA2_PLUGIN_UNVERIFIED_VLLM=1 python benchmarks/schedule_steps.py
     python benchmarks/schedule_steps.py --model 2.7b --caching on --vllm-cut     # vLLM's own "align" cut
 
 No model and no GPU: vLLM's own ``Scheduler`` with the plugin's state spec and cache manager, fed the workload of
 ``prefix_cache.py`` (same seed, lengths and engine limits) and a stand-in model that samples one token whenever a
 request has computed all its tokens. It answers "does caching change the steps?" in seconds, on either supported
-vLLM: under 0.26, put an unpacked 0.26 wheel's python first on PYTHONPATH; the script then selects vLLM's CPU
-platform itself (the wheel's CUDA build would find no device).
+vLLM: under another release, put its python sources (an unpacked wheel or sdist) first on PYTHONPATH; the script
+then selects vLLM's CPU platform itself (their builds are not for this machine).
 
 Each step's prefill block goes, in the order vLLM's runner puts it (sequences that continue a prompt, then fresh
 prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's own step planning
@@ -21,6 +22,7 @@ instead (chunks also stopped at each prompt's last block boundary; the plugin re
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,11 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vllm  # noqa: E402
 
-if vllm.__version__.startswith("0.26"):  # the CUDA wheel's sources on a machine without CUDA
+if "site-packages" not in vllm.__file__:  # another release's sources on PYTHONPATH: no build for this machine
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
     vllm.platforms._current_platform = CpuPlatform()
+    import vllm.triton_utils
+
+    vllm.triton_utils.HAS_TRITON = True  # 0.34's CPU platform refuses x86 without triton-cpu; no kernel runs here
 
 from prefix_cache import add_workload_args, emit, workload_prompts  # noqa: E402  (the same workloads)
 from throughput import write_config  # noqa: E402  (the shared model shapes)
@@ -138,8 +143,10 @@ def run(sched, hasher, batch, tag, params, chunk, block):
             steps.append(dict(tokens=out.total_num_scheduled_tokens, prefill=0))
         done = [r for r in ids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
         sampled = [[7] if r in done else [] for r in ids]
-        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                        sampled_token_ids=sampled))
+        result = dict(req_ids=ids, sampled_token_ids=sampled)
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # up to 0.33
+            result["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+        sched.update_from_output(out, ModelRunnerOutput(**result))
     return steps
 
 

@@ -157,6 +157,11 @@ class Server:
             return set()
 
     def stop(self) -> None:
+        """Stop the server and wait for every process of its group (the engine core exits after the API server:
+        a next server started meanwhile would share the CPU with its shutdown)."""
+        import psutil
+
+        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -164,7 +169,17 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        _, alive = psutil.wait_procs(group, timeout=30)
+        for p in alive:
+            p.kill()
         self.log.close()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def gpu_used_mb(pids: set | None = None) -> float | None:
