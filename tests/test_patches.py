@@ -261,3 +261,14 @@ def test_plugin_schedulers_take_the_plugins_chunks_and_others_vllms(monkeypatch)
     assert calls == [(100, (7, 3))] * 3
     patches.install_scheduler()
     assert Scheduler._mamba_block_aligned_split is split
+
+
+def test_the_state_move_patch_stands_aside_without_vllms_v1_collector(monkeypatch):
+    """vLLM 0.34 has no V1 runner and no collect_mamba_copy_meta: installing the patch changes nothing there."""
+    from vllm.v1.worker import mamba_utils
+
+    from vllm_mamba2_plugin import patches
+
+    monkeypatch.delattr(mamba_utils, "collect_mamba_copy_meta")
+    patches._batch_state_moves()
+    assert not hasattr(mamba_utils, "collect_mamba_copy_meta")

@@ -62,6 +62,40 @@ def test_bad_plugin_switch_is_refused_at_config_time(var, value, pattern, tiny_d
         EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()
 
 
+@pytest.fixture
+def conv_layout_ds(monkeypatch):
+    """VLLM_SSM_CONV_STATE_LAYOUT=DS, past vLLM's caches of its environment and of the layout."""
+    import vllm.envs
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    def clear():
+        getattr(vllm.envs.__getattr__, "cache_clear", lambda: None)()
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    clear()
+    yield
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")
+    clear()
+
+
+def test_a_channels_first_conv_layout_is_refused_with_prefix_caching(tiny_dir, conv_layout_ds):
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()  # no caching: fine
+    with pytest.raises(Exception, match="prefix caching with VLLM_SSM_CONV_STATE_LAYOUT=DS .*not supported.*Unset"):
+        EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256,
+                   enable_prefix_caching=True).create_engine_config()
+
+
+def test_breakable_cuda_graphs_are_refused_at_config_time(tiny_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    with pytest.raises(Exception, match="vllm-mamba2-plugin: VLLM_USE_BREAKABLE_CUDAGRAPH=1 .*not supported.*Unset"):
+        EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256).create_engine_config()
+
+
 @pytest.mark.parametrize("heads, groups, tp", [(8, 4, 3), (8, 1, 16), (6, 2, 4), (24, 4, 5)])
 def test_tp_size_that_does_not_divide_the_heads_is_refused(heads, groups, tp):
     """tp must divide num_heads (groups are copied where they do not split); the error names the valid sizes."""

