@@ -174,7 +174,9 @@ def wide_weights(spec: TinyMamba2Spec) -> dict[str, torch.Tensor]:
         if spec.use_conv_bias:
             w[p + "mixer.conv1d.bias"] = normal(conv_dim, std=0.1)
         w[p + "mixer.dt_bias"] = normal(H, std=1.0)
-        w[p + "mixer.A_log"] = torch.log(torch.arange(1, H + 1, dtype=torch.float32))
+        # In float64, then rounded: float32 log is vectorised differently per CPU (AVX2 / AVX-512) and its last bit
+        # differs between machines, and with it the checkpoint (and the oracle's cached answers keyed by it).
+        w[p + "mixer.A_log"] = torch.log(torch.arange(1, H + 1, dtype=torch.float64)).float()
         w[p + "mixer.D"] = torch.ones(H)
         w[p + "mixer.norm.weight"] = torch.ones(d_inner)
         w[p + "mixer.out_proj.weight"] = normal(d, d_inner, std=0.1)
