@@ -8,13 +8,15 @@ its 4xx, the start-up and load times, and serve_load's verdict. The server argum
 runs (``SERVER_ARGS``); modes: "full" (the default: FULL decode graphs), "piecewise" (the plugin's FULL decode
 graphs off), "eager" (--enforce-eager).
 
-    python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl
+    python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl \
+        --env MAMBA_DETERMINISTIC=1 --env TRITON_CACHE_AUTOTUNING=0    # on the GPU: one config per kernel
     python benchmarks/serve_grid.py --answers-only --answers-dir answers    # the oracle's answers, no server
     python benchmarks/serve_grid.py --parallel 6 ...    # six servers at a time on one GPU
 
 ``--parallel N`` runs N servers at once. Each then gets a fixed state pool (``--kv-cache-memory-bytes``), which
 skips vLLM's memory profiling (a neighbour's start-up would skew it), and the memory-growth check reads its own
-processes' GPU memory.
+processes' GPU memory. Start-up is host-bound (imports, compiles): twelve at once on a 16-core host did not
+start within four minutes (benchmarks/RESULTS.md, Exactness).
 
 The oracle's answers depend only on the model and the workload: ``--answers-only`` computes them (on any
 machine) into --answers-dir, where later runs with the same --requests and --seed find them.

@@ -121,7 +121,7 @@ def main() -> None:
         for precision in args.precisions.split(","):
             env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-"),
                    "MAMBA_DETERMINISTIC": "1" if args.deterministic else "0"}
-            env.pop("TRITON_CACHE_AUTOTUNING", None)
+            env["TRITON_CACHE_AUTOTUNING"] = "0"  # not unset: an import of vLLM sets it to "1" when unset
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--models", model, "--precisions",
                    precision, "--iters", str(args.iters)] + (["--deterministic"] if args.deterministic else [])
             t0 = time.perf_counter()

@@ -19,7 +19,8 @@ Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decod
 ``plugin-jit-launch`` (VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0: every Triton launch through JITFunction.run),
 ``intree`` (vLLM's own Mamba2ForCausalLM). ``plugin-full`` is an old name of the default.
 
-The decode grid runs with MAMBA_DETERMINISTIC=1 (recorded per row as ``mamba_deterministic``): mamba-ssm then
+The decode grid runs with MAMBA_DETERMINISTIC=1 and TRITON_CACHE_AUTOTUNING=0 (recorded per row as
+``mamba_deterministic``; vLLM sets the second to 1 where unset, which undoes the first): mamba-ssm then
 uses one fixed config for each SSD prefill kernel instead of autotuning it at start-up (for a shape without
 carried tunings, much of the plugin's start-up). No kernel of a decode step depends on it (the state update,
 the gated norm and the conv update are not autotuned), so the engine's decode step is unchanged; the mixed

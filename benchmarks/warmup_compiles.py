@@ -1,13 +1,13 @@
 """What the prefill warm-up compiles, layout by layout: Triton compiles, their seconds, and each layout's time.
 
 An engine's start-up runs ``warmup.warm_prefill`` in its profile run: every layout of ``warmup.prefill_layouts``
-through a layer's real prefill path, which compiles (and, unless MAMBA_DETERMINISTIC=1, autotunes) mamba-ssm's
+through a layer's real prefill path, which compiles (and, unless MAMBA_DETERMINISTIC=1 with TRITON_CACHE_AUTOTUNING=0, autotunes) mamba-ssm's
 SSD kernels for each Triton specialisation a step can hit. This runs that warm-up on one grid model's first layer
 (``tiny_model.GRID``; float32 activations and states, the fp32 grid's setting) with an empty Triton cache and
 prints one JSON line per layout (lengths, resumed flags, seconds, the kernels compiled and their compile seconds),
 then a total, flushed as it goes: a run cut short by a time limit still shows where the time went.
 
-    MAMBA_DETERMINISTIC=1 python benchmarks/warmup_compiles.py --model h64n128 --tokens 256
+    MAMBA_DETERMINISTIC=1 TRITON_CACHE_AUTOTUNING=0 python benchmarks/warmup_compiles.py --model h64n128
     python benchmarks/warmup_compiles.py --model n32g4 --precision tf32x3      # autotuned, other fp32 products
 """
 
@@ -86,7 +86,8 @@ def main() -> None:
         warmup.warm_decode(layer, torch.zeros(args.tokens, width, device=dev))
         print(json.dumps(dict(decode=True, seconds=round(time.perf_counter() - t0, 2))), flush=True)
     print(json.dumps(dict(model=args.model, precision=args.precision or upstream.FP32_DOT_PRECISION,
-                          deterministic=os.environ.get("MAMBA_DETERMINISTIC", "") == "1",
+                          deterministic=os.environ.get("MAMBA_DETERMINISTIC", "") == "1"
+                          and os.environ.get("TRITON_CACHE_AUTOTUNING") != "1",
                           device=torch.cuda.get_device_name(), layouts=len(layouts),
                           total_s=round(time.perf_counter() - start, 1),
                           compiles={k: [v[0], round(v[1], 1)] for k, v in sorted(stats.items(),

@@ -26,8 +26,9 @@
 # causal_conv1d-sm90.tar.gz under $OUT; copy it into .gpu/ and later calls skip the ~50 s kernel build.
 # Triton autotuning of the SSD kernels costs ~10 s per new (shape, dtype) on a cold cache (bf16; fp32 with IEEE
 # products far more: benchmarks/RESULTS.md, Exactness); MAMBA_DETERMINISTIC=1 makes mamba-ssm use one fixed
-# config per kernel -- but only with TRITON_CACHE_AUTOTUNING unset: with it set (as below) mamba-ssm autotunes
-# every config and caches the result. So a step that wants fixed configs starts `unset TRITON_CACHE_AUTOTUNING;`.
+# config per kernel -- but only where TRITON_CACHE_AUTOTUNING is not "1": with it (as below, and as vLLM itself
+# sets it when unset: vllm/env_override.py) mamba-ssm autotunes every config and caches the result. So a step
+# that wants fixed configs runs with TRITON_CACHE_AUTOTUNING=0 (run_step does it; unsetting is not enough).
 # Autotuning results persist: TRITON_CACHE_AUTOTUNING=1 stores each kernel's timings in Triton's cache, and after
 # every step the script packs them into $OUT/triton-autotune.tgz (kilobytes). Copy that file into .gpu/ and the
 # next call starts with them. scripts/gpu/triton-autotune.tgz is the committed copy (101 kernels: the benchmark
@@ -103,8 +104,9 @@ run_step() {  # run_step <log file> <command>
   t=$(date +%s)
   # mamba-ssm's MAMBA_DETERMINISTIC=1 (one fixed config per kernel, no autotuning) is switched back to FULL
   # autotuning by TRITON_CACHE_AUTOTUNING=1 (mamba_ssm/utils/determinism.py:66): measured on the H200, one
-  # kernel test then took 52 s instead of ~1 s. Steps that ask for determinism get no autotune caching.
-  if [[ "${MAMBA_DETERMINISTIC:-}" == 1* || "$cmd" == *MAMBA_DETERMINISTIC=1* ]]; then cmd="unset TRITON_CACHE_AUTOTUNING; $cmd"; fi
+  # kernel test then took 52 s instead of ~1 s (fp32 warm-ups: benchmarks/RESULTS.md, Exactness).
+  # Steps that ask for determinism get "0": unset, vLLM's import sets it back to "1" in every process.
+  if [[ "${MAMBA_DETERMINISTIC:-}" == 1* || "$cmd" == *MAMBA_DETERMINISTIC=1* ]]; then cmd="export TRITON_CACHE_AUTOTUNING=0; $cmd"; fi
   echo "=== $cmd" | tee -a "$LOG/summary.txt"
   set +e
   bash -c "$cmd" 2>&1 | tee "$LOG/$log"

@@ -48,7 +48,7 @@ class Answers:
     ``cache``: a JSON file of earlier answers for the same model and workload (read if present, else written)."""
 
     def __init__(self, model_dir: str, bases: list, wanted: dict, max_tokens: int, cache: str | None = None):
-        self.tokens, self.margins = {}, {}
+        self.tokens, self.margins, self.cached = {}, {}, False
         import hashlib
 
         with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
@@ -61,6 +61,7 @@ class Answers:
             if saved["key"] == key:
                 for k, toks, margins in saved["answers"]:
                     self.tokens[tuple(k)], self.margins[tuple(k)] = toks, margins
+                self.cached = True
                 return
         self._compute(model_dir, bases, wanted, max_tokens)
         if cache:
@@ -403,6 +404,9 @@ def main(argv=None) -> int:
         wanted.setdefault(r["base"], set()).add(r["length"])
     t0 = time.time()
     answers = Answers(oracle_dir, bases, wanted, max(args.max_tokens, probe["max_tokens"]), args.answers)
+    # Visible in a caller's log: a cache that does not match these weights costs minutes of float64 before the server.
+    print(f"oracle answers: {'read from' if answers.cached else 'computed for'} {args.answers or 'this run'} in "
+          f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     if args.answers_only:
         return 0
     report = dict(requests=args.requests, concurrency=args.concurrency, server_args=server_args, env=args.env,

@@ -44,8 +44,8 @@ protocol would otherwise only make prefill silently slower.
    kernels that they lack (12 for ``_chunk_scan_fwd_kernel``, 5 for ``_chunk_state_fwd_kernel``); the
    autotuner still keeps the fastest by its own measurement. *Why*: among them is the config vLLM's chunk scan
    picks on the H200 at the 2.7b shape ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer against 237 µs for
-   mamba-ssm's choice; RESULTS.md). Skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 without
-   TRITON_CACHE_AUTOTUNING=1), which pins one config per kernel on purpose.
+   mamba-ssm's choice; RESULTS.md). Skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 with
+   TRITON_CACHE_AUTOTUNING=0: vLLM sets it to 1 where unset), which pins one config per kernel on purpose.
    *Delete when*: mamba-ssm's lists contain them.
 """
 
