@@ -12,6 +12,8 @@ What differs (docs/vllm-0.26-vs-0.32.md), and how it is bridged:
 * AttentionBackend: 0.26 declares ``get_kv_cache_shape`` abstract; the backend stubs it (harmless on 0.32).
 * forward-context metadata: a dict keyed by layer prefix in both, missing (0.32) or None (0.26) in profile
   runs, or a list of dicts under micro-batching (refused).
+* read, not run (0.33 / 0.34, docs/vllm-0.33-0.34.md): 0.34 deletes the V1 runner's per-entry state-move
+  collector that patches.py (3) wraps; ``v1_state_move_collector`` returns None there.
 
 The tensor- and pipeline-parallel names (parallel linear layers, TP / PP groups, ``make_layers``,
 ``PPMissingLayer``, ``IntermediateTensors``, the sharded loaders) are long-stable vLLM APIs, the same in both.
@@ -114,6 +116,16 @@ def seq_lens_cpu(common_attn_metadata) -> torch.Tensor:
     if upper is not None:
         return upper
     return common_attn_metadata.seq_lens_cpu  # 0.26: a lazily copied property
+
+
+def v1_state_move_collector():
+    """(``vllm.v1.worker.mamba_utils``, its ``collect_mamba_copy_meta``), the V1 runner's prefix-caching state-move
+    collector (0.26 - 0.33), or None where this vLLM has none: read, not run on 0.34, which deletes it with the V1
+    runner (Model Runner V2 moves states in one fused copy of its own)."""
+    from vllm.v1.worker import mamba_utils
+
+    collector = getattr(mamba_utils, "collect_mamba_copy_meta", None)
+    return None if collector is None else (mamba_utils, collector)
 
 
 def static_forward_context() -> dict:

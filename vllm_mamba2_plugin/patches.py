@@ -126,14 +126,14 @@ def _check_prompt_token_ids() -> None:
 
 
 def _batch_state_moves() -> None:
-    from vllm.v1.worker import mamba_utils
-
+    from . import compat
     from .mixer import Mamba2Mixer
     from .state_copy import PoolLayout
 
-    original = getattr(mamba_utils, "collect_mamba_copy_meta", None)
-    if original is None:  # no V1 runner (vLLM 0.34): Model Runner V2 moves states in one fused copy of its own
+    hook = compat.v1_state_move_collector()
+    if hook is None:  # no V1 runner (vLLM 0.34): nothing to batch
         return
+    mamba_utils, original = hook
 
     def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
                                 src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context):
