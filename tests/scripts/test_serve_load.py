@@ -101,6 +101,8 @@ def test_a_terminated_harness_stops_its_server(g4_model, tmp_path):
            "--log", str(tmp_path / "server.log"), "--", "--max-model-len", "512", "--skip-tokenizer-init"]
     harness = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = harness.stderr.readline()
+    while line and not line.startswith("server: pid "):  # the oracle's line comes first
+        line = harness.stderr.readline()
     assert line.startswith("server: pid "), line
     pid = int(line.split()[2].rstrip(","))
     os.kill(pid, 0)  # running
