@@ -1,9 +1,10 @@
 """What the prefill warm-up compiles, layout by layout: Triton compiles, their seconds, and each layout's time.
 
 An engine's start-up runs ``warmup.warm_prefill`` in its profile run: every layout of ``warmup.prefill_layouts``
-through a layer's real prefill path, which compiles (and, unless MAMBA_DETERMINISTIC=1 with TRITON_CACHE_AUTOTUNING=0, autotunes) mamba-ssm's
-SSD kernels for each Triton specialisation a step can hit. This runs that warm-up on one grid model's first layer
-(``tiny_model.GRID``; float32 activations and states, the fp32 grid's setting) with an empty Triton cache and
+through a layer's real prefill path, which compiles (and, unless MAMBA_DETERMINISTIC=1 with
+TRITON_CACHE_AUTOTUNING=0, autotunes) mamba-ssm's SSD kernels for each Triton specialisation a step can hit. This
+runs that warm-up on one grid model's first layer (``tiny_model.GRID``; float32 activations and states, the fp32
+grid's setting) with an empty Triton cache (or --cache-dir) and
 prints one JSON line per layout (lengths, resumed flags, seconds, the kernels compiled and their compile seconds),
 then a total, flushed as it goes: a run cut short by a time limit still shows where the time went.
 

@@ -136,24 +136,28 @@ class Server:
             time.sleep(1)
         raise RuntimeError(f"the server was not healthy within {timeout:.0f} s (see {self.log.name})")
 
+    def _processes(self) -> list:
+        """The server's process and its children (the engine core), as psutil processes."""
+        import psutil
+
+        p = psutil.Process(self.proc.pid)
+        return [p] + p.children(recursive=True)
+
     def rss_mb(self) -> float:
-        """Resident memory of the server and its children (the engine core), MB."""
+        """Resident memory of the server and its children, MB."""
         import psutil
 
         try:
-            p = psutil.Process(self.proc.pid)
-            procs = [p] + p.children(recursive=True)
-            return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
+            return sum(q.memory_info().rss for q in self._processes() if q.is_running()) / 2**20
         except psutil.Error:
             return float("nan")
 
     def pids(self) -> set:
-        """The server's process and its children (the engine core)."""
+        """The process ids of the server and its children."""
         import psutil
 
         try:
-            p = psutil.Process(self.proc.pid)
-            return {p.pid} | {q.pid for q in p.children(recursive=True)}
+            return {q.pid for q in self._processes()}
         except psutil.Error:
             return set()
 

