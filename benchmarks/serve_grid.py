@@ -45,13 +45,14 @@ MODES = {"full": ([], []), "piecewise": (["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
          "eager": ([], ["--enforce-eager"])}  # mode: (server environment, server arguments)
 
 
-def serve_load_cmd(args, model_dir: str, answers: str, report: str, log: str, mode: str) -> list:
+def serve_load_cmd(args, model_dir: str, answers: str, report: str, log: str, mode: str,
+                   limit: float = 900) -> list:
     env, extra = MODES[mode]
     if args.impl == "intree":
         env = env + ["VLLM_PLUGINS="]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve_load.py"), "--model", model_dir,
            "--requests", str(args.requests), "--concurrency", str(args.concurrency), "--seed", str(args.seed),
-           "--answers", answers, "--out", report, "--log", log, "--start-timeout", str(args.timeout * 0.8)]
+           "--answers", answers, "--out", report, "--log", log, "--start-timeout", str(limit * 0.8)]
     cmd += ["--bad-inputs"] if args.bad_inputs else []
     cmd += ["--gpu-memory-of", "server"] if args.parallel > 1 else []
     cmd += ["--answers-only"] if args.answers_only else []
@@ -104,6 +105,10 @@ def run_stopping_on_timeout(cmd: list, timeout: float) -> tuple[int, str, str]:
 
 
 def run(args, name: str, mode: str) -> dict:
+    left = args.budget - (time.time() - args.t0)
+    if not args.answers_only and left < args.min_run:
+        return dict(model=name, impl=args.impl, mode=mode, requests=args.requests, rc=None,
+                    verdict=f"not started: {left:.0f} s of --budget left, under --min-run {args.min_run:.0f} s")
     model_dir = os.path.join(args.model_dir, name)
     answers = os.path.join(args.answers_dir, f"{name}-r{args.requests}-s{args.seed}.json")
     if args.answers_only:
@@ -112,8 +117,9 @@ def run(args, name: str, mode: str) -> dict:
     report_path = os.path.join(args.log_dir, f"{args.impl}-{name}-{mode}.json")
     log = os.path.join(args.log_dir, f"{args.impl}-{name}-{mode}.log")
     t0 = time.time()
-    rc, out, err = run_stopping_on_timeout(serve_load_cmd(args, model_dir, answers, report_path, log, mode),
-                                           args.timeout)
+    limit = min(args.timeout, left)
+    rc, out, err = run_stopping_on_timeout(serve_load_cmd(args, model_dir, answers, report_path, log, mode, limit),
+                                           limit)
     verdict = [ln for ln in out.splitlines() if ln.startswith("VERDICT")]
     row = dict(model=name, impl=args.impl, mode=mode, requests=args.requests, rc=rc,
                verdict=verdict[-1][8:] if verdict else err[-1500:], wall_s=round(time.time() - t0, 1))
@@ -142,13 +148,21 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per server run")
     ap.add_argument("--out", default=None, help="append one JSON line per (model, mode)")
     ap.add_argument("--parallel", type=int, default=1, help="servers at a time")
+    ap.add_argument("--budget", type=float, default=float("inf"),
+                    help="seconds for the whole grid, counted from $GPU_TEST_T0 (the device call's start) if set: "
+                         "every server stops by then, and none starts with less than --min-run left")
+    ap.add_argument("--min-run", type=float, default=150)
     args = ap.parse_args()
+    args.t0 = float(os.environ.get("GPU_TEST_T0", time.time()))
     for d in (args.model_dir, args.answers_dir, args.log_dir):
         os.makedirs(d, exist_ok=True)
     models = list(tiny_model.GRID) if args.models == "all" else args.models.split(",")
     for name in models:  # each built once, before the servers that read it
         tiny_model.build(os.path.join(args.model_dir, name), tiny_model.GRID[name])
-    jobs = [(name, mode) for name in models for mode in (args.modes.split(",") if not args.answers_only else ["full"])]
+    # Mode-major: one mode's servers start together, one per model, and a model's later modes find its Triton
+    # kernels compiled (same-model servers at once would compile the same kernels side by side).
+    modes = args.modes.split(",") if not args.answers_only else ["full"]
+    jobs = [(name, mode) for mode in modes for name in models]
     signal.signal(signal.SIGTERM, stop_running)
     with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
         for done in concurrent.futures.as_completed([pool.submit(run, args, *job) for job in jobs]):

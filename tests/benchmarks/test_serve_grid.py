@@ -44,3 +44,10 @@ def test_a_run_past_its_limit_stops_its_server(tmp_path):
     assert row["rc"] != 0 and "timed out after 8 s" in row["verdict"], row
     time.sleep(2)
     assert not servers_of(str(tmp_path / "models")), "the server outlived its run"
+
+
+def test_no_server_starts_once_the_budget_is_spent(tmp_path):
+    rows = serve_grid(tmp_path, "--budget", "100", "--min-run", "150", modes="eager,full", timeout=120)
+    assert sorted(row["mode"] for row in rows) == ["eager", "full"], rows
+    assert all(row["rc"] is None and row["verdict"].startswith("not started") for row in rows), rows
+    assert not os.path.exists(tmp_path / "logs" / "plugin-h128n64-eager.log")
