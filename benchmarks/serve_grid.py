@@ -11,12 +11,13 @@ graphs off), "eager" (--enforce-eager).
     python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl \
         --env MAMBA_DETERMINISTIC=1 --env TRITON_CACHE_AUTOTUNING=0    # on the GPU: one config per kernel
     python benchmarks/serve_grid.py --answers-only --answers-dir answers    # the oracle's answers, no server
-    python benchmarks/serve_grid.py --parallel 6 ...    # six servers at a time on one GPU
+    python benchmarks/serve_grid.py --parallel 6 --budget 560 ...    # six servers at a time on one GPU
 
 ``--parallel N`` runs N servers at once. Each then gets a fixed state pool (``--kv-cache-memory-bytes``), which
 skips vLLM's memory profiling (a neighbour's start-up would skew it), and the memory-growth check reads its own
-processes' GPU memory. Start-up is host-bound (imports, compiles): twelve at once on a 16-core host did not
-start within four minutes (benchmarks/RESULTS.md, Exactness).
+processes' GPU memory. Start-up is host-bound (imports, compiles): six at once on a 16-core host start in about
+two minutes, twelve did not within four (benchmarks/RESULTS.md, Exactness). ``--budget`` fits a run into a device
+call: past it no server starts, and every running one stops.
 
 The oracle's answers depend only on the model and the workload: ``--answers-only`` computes them (on any
 machine) into --answers-dir, where later runs with the same --requests and --seed find them.
