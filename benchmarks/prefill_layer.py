@@ -7,6 +7,9 @@
     python benchmarks/prefill_layer.py --model 2.7b --layouts d33+r16+15x512+15 --host-profile  # a mixed step
     python benchmarks/prefill_layer.py --model 2.7b --layouts r1000+3x2200+16 --resume-context 1200 --block 256
                                                           # a prefix-caching step of cache misses (--block 0: off)
+    python benchmarks/prefill_layer.py --model 2.7b --layouts "$(python benchmarks/schedule_steps.py --layouts 8 \
+        --workload mixed --caching on --quiet | tail -1)" --block 256 --paths auto,rerun,rows,lead-rows,correction \
+        --state-dtype float32    # each resume path on steps of a workload (plugin/<path> rows)
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -40,6 +43,7 @@ from identical copies of the pools: the in-tree kernels are an independent oracl
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -64,10 +68,11 @@ CHUNK = 256
 
 
 def parse_layout(spec: str):
-    """A layout -> (decode rows, prompt lengths, resumed flags). Segments joined by "+", in step order:
-    "d<N>" N one-token decode rows (first: vLLM's runner puts decodes first), "<S>x<L>" S fresh prompts of L tokens
-    ("...r": every other one resumed, "...r1": the first one resumed), "r<L>" one resumed chunk of L tokens, "<L>" one
-    fresh prompt. E.g. "16x512r1", or "d33+r16+15x512+15" (a chunked-prefill mixed step of 8 192 tokens: 33 decode
+    """A layout -> (decode rows, prompt lengths, resumed: False, True (after --resume-context tokens) or the
+    computed tokens). Segments joined by "+", in step order: "d<N>" N one-token decode rows (first: vLLM's runner
+    puts decodes first), "<S>x<L>" S fresh prompts of L tokens ("...r": every other one resumed, "...r1": the first
+    one resumed), "r<L>" one resumed chunk of L tokens ("r<L>@<C>": after C computed tokens; schedule_steps.py
+    --layouts writes these), "<L>" one fresh prompt. E.g. "16x512r1", or "d33+r16+15x512+15" (a chunked-prefill mixed step of 8 192 tokens: 33 decode
     rows, the rest of a prompt the previous step cut, 15 prompts, the first 15 tokens of another)."""
     nd, lengths, resumed = 0, [], []
     for i, seg in enumerate(spec.split("+")):
@@ -75,9 +80,12 @@ def parse_layout(spec: str):
             if i or not seg[1:].isdigit():
                 raise SystemExit(f"layout {spec!r}: decode rows 'd<N>' come first, once")
             nd = int(seg[1:])
-        elif seg.startswith("r") and seg[1:].isdigit():
-            lengths.append(int(seg[1:]))
-            resumed.append(True)
+        elif seg.startswith("r") and seg[1:].partition("@")[0].isdigit():
+            L, _, C = seg[1:].partition("@")
+            if C and not C.isdigit():
+                raise SystemExit(f"layout {spec!r}: bad segment {seg!r} (r<L> or r<L>@<computed tokens>)")
+            lengths.append(int(L))
+            resumed.append(int(C) if C else True)
         elif seg.isdigit():
             lengths.append(int(seg))
             resumed.append(False)
@@ -131,7 +139,8 @@ def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1, bloc
     T = nd + sum(lengths)
     n_proj = layer.projection_width
     qsl = torch.tensor([0] + [1] * nd + lengths).cumsum(0).to(torch.int32)
-    context = torch.tensor([600] * nd + [resume_context if r else 0 for r in resumed], dtype=torch.int32)
+    context = torch.tensor([600] * nd + [(resume_context if r is True else int(r)) if r else 0 for r in resumed],
+                           dtype=torch.int32)
     seq = context + qsl.diff()
     cols = int(((seq + block - 1) // block).max()) if block else 1
     slots_n = (R * cols if block else 2 * R) + 1
@@ -147,8 +156,11 @@ def make_step(layer: Mamba2Mixer, nd, lengths, resumed, dtype, dev, seed=1, bloc
                 table=table, block=block)
 
 
-def fresh_pools(step, dtype, dev):
-    return [p.to(dev, dtype, copy=True) for p in step["pools"]]  # a copy on any device: layers write into them
+def fresh_pools(step, dtype, dev, state_dtype=None):
+    """Copies of the step's pools (layers write into them): conv states in the activations' dtype, SSM states in
+    state_dtype (--state-dtype; default: the activations')."""
+    conv, ssm = step["pools"]
+    return [conv.to(dev, dtype, copy=True), ssm.to(dev, state_dtype or dtype, copy=True)]
 
 
 def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
@@ -255,6 +267,61 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
 RUNNERS = {"plugin": plugin_runner, "plugin-triton-launch": plugin_triton_launch_runner, "intree": intree_runner}
 
 
+# --paths: the CUDA prefill's resume path forced for every step where more than a lone first sequence resumes, by
+# varlen_plan's limits ("auto": as shipped). "lead-rows": a resumed first sequence always leads (the packed call
+# starts it from its state) and the other resumed ones go as rows; "rows": every resumed one as rows.
+PATHS = {
+    "auto": {},
+    "rerun": dict(SEPARATE_RESUMED_MAX=1 << 30),
+    "rows": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=float("inf"), ROWS_MAX_CHUNKS=1 << 30),
+    "lead-rows": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=float("inf"), ROWS_MAX_CHUNKS=1 << 30,
+                      _rows_host="lead"),
+    "correction": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=0.0),
+}
+
+
+@contextlib.contextmanager
+def forced_path(path: str):
+    """varlen_plan's limits set for ``path`` (``PATHS``) for the duration."""
+    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
+
+    limits = dict(PATHS[path])
+    if limits.get("_rows_host") == "lead":
+        real = varlen_plan._rows_host
+
+        def no_rows_with_a_resumed_first(host, cu, ne, init_pos, chunk_size):
+            return None if len(init_pos) > 1 and init_pos[0] == 0 else real(host, cu, ne, init_pos, chunk_size)
+
+        limits["_rows_host"] = no_rows_with_a_resumed_first
+    saved = {k: getattr(varlen_plan, k) for k in limits}
+    for k, v in limits.items():
+        setattr(varlen_plan, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(varlen_plan, k, v)
+
+
+def with_path(runner, path: str):
+    """A runner whose metadata build and every call take the forced ``path``."""
+    if path == "auto":
+        return runner
+
+    def forced_runner(*args):
+        with forced_path(path):
+            run, build_us = runner(*args)
+
+        def forced():
+            with forced_path(path):
+                return run()
+
+        forced.build = run.build
+        return forced, build_us
+
+    return forced_runner
+
+
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -330,13 +397,13 @@ def host_profile(run, dev, iters: int, rows: int) -> str:
     return "\n".join(lines)
 
 
-def compare(layer, step, runs, dtype, dev):
+def compare(layer, step, runs, dtype, dev, state_dtype=None):
     """One call of each implementation from identical pools: max |difference| of outputs and written states
     against the first implementation's."""
     results = {}
     slots = step["slots"].to(dev)
     for impl, run in runs.items():
-        layer.kv_cache = fresh_pools(step, dtype, dev)
+        layer.kv_cache = fresh_pools(step, dtype, dev, state_dtype)
         out = run().float().clone()
         results[impl] = (out, layer.kv_cache[0][slots].float(), layer.kv_cache[1][slots].float())
     ref_impl, ref = next(iter(results.items()))
@@ -361,6 +428,9 @@ def main():
     ap.add_argument("--block", type=int, default=0,
                     help="prefix caching with blocks of this many tokens (the plugin only; 0: off)")
     ap.add_argument("--resume-context", type=int, default=7, help="computed tokens before a resumed chunk")
+    ap.add_argument("--state-dtype", default=None, help="the SSM state pool's dtype (default: --dtype)")
+    ap.add_argument("--paths", default="auto", help="the plugin's resume paths to force, comma list of: "
+                    + ", ".join(PATHS) + " (plugin rows are named plugin/<path> then)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also: synchronising calls (CUDA) and a cProfile of the layer's Python host time")
     args = ap.parse_args()
@@ -369,6 +439,13 @@ def main():
     if unknown:
         ap.error(f"unknown implementation(s) {unknown}; choose from {list(RUNNERS)}")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    state_dtype = getattr(torch, args.state_dtype) if args.state_dtype else dtype
+    paths = args.paths.split(",")
+    if set(paths) - set(PATHS):
+        ap.error(f"unknown path(s) {sorted(set(paths) - set(PATHS))}; choose from {list(PATHS)}")
+    jobs = [(impl if len(paths) == 1 or not impl.startswith("plugin") else f"{impl}/{path}",
+             with_path(RUNNERS[impl], path) if impl.startswith("plugin") else RUNNERS[impl])
+            for impl in impls for path in (paths if impl.startswith("plugin") else ["auto"])]
     if args.block and impls != ["plugin"]:
         ap.error("--block (prefix caching) runs the plugin's path only: --impls plugin")
     if "intree" in impls and dev.type != "cuda":
@@ -384,12 +461,12 @@ def main():
                              resume_context=args.resume_context)
             T, S = step["T"], step["S"]
             runs = {}
-            for impl in impls:
-                layer.kv_cache = fresh_pools(step, dtype, dev)
+            for impl, runner in jobs:
+                layer.kv_cache = fresh_pools(step, dtype, dev, state_dtype)
                 try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
-                    run, build_us = RUNNERS[impl](layer, step, dev, holder)
+                    run, build_us = runner(layer, step, dev, holder)
                     r = dict(model=args.model, impl=impl, layout=spec, tokens=T, sequences=S, decode_rows=nd,
-                             resumed=sum(resumed),
+                             resumed=sum(map(bool, resumed)), state_dtype=str(state_dtype).split(".")[-1],
                              device=str(dev), dtype=args.dtype, build_us=build_us,
                              **measure(run, dev, args.iters, args.rows))
                 except Exception:
@@ -414,7 +491,7 @@ def main():
                     print(f"{args.model} {impl:>6} {spec:>9} host profile:\n{host_profile(run, dev, args.iters, args.rows)}",
                           flush=True)
             if len(runs) > 1:
-                diffs = compare(layer, step, runs, dtype, dev)
+                diffs = compare(layer, step, runs, dtype, dev, state_dtype)
                 print(f"{args.model} {spec:>9} max |difference| from identical pools: {json.dumps(diffs)}", flush=True)
                 if args.out:
                     with open(args.out, "a") as f:

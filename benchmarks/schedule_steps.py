@@ -17,7 +17,8 @@ prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's 
 their prefill tokens, prefill sequences per step, how often each resume path of ``ssd_prefill`` is taken (none /
 native / rerun / rows / correction) and how often a resumed first sequence leads the others (``VarlenPlan.lead``),
 the SSD forward calls per layer that implies (the correction counts none: it is ~40 small launches), and the
-steps whose boundary states need a second pass. ``--vllm-cut`` shows the steps vLLM's own "align" cut would make
+steps whose boundary states need a second pass, and with ``--layouts N`` N of its prefill steps in
+``prefill_layer.py``'s layout syntax (to time each resume path on them there). ``--vllm-cut`` shows the steps vLLM's own "align" cut would make
 instead (chunks also stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
 """
 
@@ -125,6 +126,13 @@ def plan_of(rows, chunk: int, block: int) -> dict:
     return dict(path=path, lead=plan.lead, calls=calls + second, second_pass=second)
 
 
+def layout_of(decodes: int, rows) -> str:
+    """A step in ``prefill_layer.py``'s layout syntax: "d<decode rows>", then "r<tokens>@<computed>" for a
+    continued prompt and "<tokens>" for a fresh one, in the runner's order."""
+    segments = ([f"d{decodes}"] if decodes else []) + [f"r{n}@{c}" if c else str(n) for c, n in rows]
+    return "+".join(segments)
+
+
 def run(sched, hasher, batch, tag, params, chunk, block):
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
@@ -138,7 +146,8 @@ def run(sched, hasher, batch, tag, params, chunk, block):
         rows = prefill_block(sched, out)
         if rows:
             steps.append(dict(tokens=out.total_num_scheduled_tokens, prefill=len(rows),
-                              prefill_tokens=sum(n for _, n in rows), **plan_of(rows, chunk, block)))
+                              prefill_tokens=sum(n for _, n in rows), **plan_of(rows, chunk, block),
+                              layout=layout_of(len(ids) - len(rows), rows)))
         elif ids:
             steps.append(dict(tokens=out.total_num_scheduled_tokens, prefill=0))
         done = [r for r in ids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
@@ -158,7 +167,8 @@ def summary(steps, caching: bool, args) -> dict:
                 prefill_seqs_per_step=round(sum(s["prefill"] for s in pre) / max(len(pre), 1), 2),
                 paths=dict(Counter(s["path"] for s in pre)), lead_steps=sum(s["lead"] for s in pre),
                 ssd_calls_per_layer=round(sum(s["calls"] for s in pre) / max(len(pre), 1), 2),
-                second_pass_steps=sum(s["second_pass"] for s in pre))
+                second_pass_steps=sum(s["second_pass"] for s in pre),
+                layouts=[pre[i * len(pre) // args.layouts]["layout"] for i in range(min(args.layouts, len(pre)))])
 
 
 def measure(args) -> list:
@@ -192,13 +202,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-blocks", type=int, default=4096, help="state blocks in the pool")
     ap.add_argument("--vllm-cut", action="store_true", help="with caching, let vLLM's scheduler cut prefill chunks "
                     "at block boundaries as its \"align\" mode does (the plugin turns that off: patches.py, 4)")
+    ap.add_argument("--layouts", type=int, default=0, help="report N prefill steps spread evenly over the run "
+                    "(lengths are random: steps seldom repeat), as prefill_layer.py layouts")
+    ap.add_argument("--quiet", action="store_true", help="print only those layouts, comma-separated (the input "
+                    "of prefill_layer.py --layouts)")
     ap.add_argument("--out", default=None, help="append one JSON line per run here")
     return ap
 
 
 def main():
     args = parser().parse_args()
-    for result in measure(args):
+    results = measure(args)
+    if args.quiet:
+        print(",".join(dict.fromkeys(layout for r in results for layout in r["layouts"])))
+        return
+    for result in results:
         emit(result, args.out)
 
 

@@ -42,3 +42,15 @@ def test_a_mixed_workloads_continued_prompts_lead_the_cache_hits():
     cache hits. It leads them (``VarlenPlan.lead``), so no step takes the correction or a second pass."""
     (on,) = _measure("--workload", "mixed", "--caching", "on")
     assert on["lead_steps"] > 0 and "correction" not in on["paths"] and on["second_pass_steps"] == 0, on
+
+
+def test_prefill_steps_come_as_prefill_layer_layouts():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import prefill_layer
+
+    (on,) = _measure("--workload", "mixed", "--caching", "on", "--layouts", "3")
+    assert len(on["layouts"]) == 3 and on["prefill_steps"] >= 3, on
+    for layout in on["layouts"]:
+        nd, lengths, resumed = prefill_layer.parse_layout(layout)
+        assert lengths and all(r is False or r > 0 for r in resumed), layout
+    assert any("@" in layout for layout in on["layouts"])  # the mixed workload continues prompts
