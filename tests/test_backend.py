@@ -72,8 +72,8 @@ def test_all_fresh_prefills_say_so_on_the_host():
 
 def test_cuda_kernels_get_a_plan_from_the_host_bounds():
     """With the CUDA kernels the builder adds the step's prefill plan, made from the runner's host copies; it
-    must describe the same batch as the device-side fields (which the reference path and the kernels'
-    has_initial_state selection read)."""
+    must describe the same batch as the device-side fields, and the layers' resume mask is the plan's upload of
+    the same host flags (one source for which rows resume)."""
     from vllm_mamba2_plugin.kernels import cuda
 
     b = _builder(chunk=4)
@@ -84,6 +84,7 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
     meta = b.build(0, cam)
     plan = meta.prefill_plan
     assert plan.cu == [0, 1, 2, 6, 12] and plan.init_flags == [False, True, True, False]
+    assert meta.has_initial_state_p is plan.resume_mask and plan.resume_mask.tolist() == plan.init_flags
     assert plan.T == 12 and plan.nonempty == [0, 1, 2, 3]
     assert plan.seq_idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
     # Continuing sequences 1 (1 token) and 2 (4 tokens): blocks of 4 (the chunk), dummy row 12 as padding.

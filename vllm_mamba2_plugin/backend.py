@@ -167,15 +167,16 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             # previous step's GPU work at every step.
             qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
             qsl_p = (qsl - num_decode_tokens).to(torch.int32)
-            has_init_p = (common_attn_metadata.seq_lens[num_decodes:num_reqs] - (qsl[1:] - qsl[:-1])) > 0
-            # The CUDA kernels' index plan for this step, from the host copies (one pinned upload, shared by
-            # every layer): the prefill path then needs no host sync.
+            # Which rows resume a saved state: the host flags, the one source for the CUDA kernels' plan (built
+            # from the host copies, uploaded once, shared by every layer: no host sync in the prefill path) and
+            # for the device mask the layers read (the plan's upload of the same flags).
             has_init_cpu = context_lens[num_decodes:] > 0
             any_init = bool(has_init_cpu.any())
             plan = self.kernels.plan_prefill(
                 qsl_cpu[num_decodes:] - num_decode_tokens, has_init_cpu, num_prefill_tokens,
                 self.chunk_size, self.conv_width, self.device,
             )
+            has_init_p = upload(has_init_cpu, self.device) if plan is None else plan.resume_mask
         slots_d = slots[:num_decodes]
         offsets, boundary_slots = (self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
                                    if self.prefix_caching and num_prefills else (None, None))

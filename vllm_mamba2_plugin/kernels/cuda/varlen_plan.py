@@ -169,6 +169,7 @@ class VarlenPlan:
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
     seq_idx_row: torch.Tensor  # (1, Tu) view of seq_idx: the kernels' one batch row, made once per step
     nonempty_dev: torch.Tensor  # (S',) long
+    resume_mask: torch.Tensor  # (S,) bool: init_flags on the device (the layers' has_initial_state)
     # (S'-1,) long: when every non-empty sequence but the last ends on an SSD chunk boundary (relative to cu[0]),
     # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
@@ -291,6 +292,7 @@ def build_plan(
         "cu_k": torch.from_numpy(cu_k_np),
         "seq_idx": torch.from_numpy(seq_idx_np),
         "nonempty": torch.tensor(ne, dtype=torch.long),
+        "resume_mask": torch.tensor(flags, dtype=torch.long),
     }
     if ne and all(e % chunk_size == 0 for e in cu_k[1:-1]):
         host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
@@ -316,7 +318,8 @@ def build_plan(
     seq_idx = dev["seq_idx"].to(torch.int32)
     plan = VarlenPlan(
         cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, cu_k=dev["cu_k"].to(torch.int32), seq_idx=seq_idx,
-        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], final_chunks=dev.get("final_chunks"),
+        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], resume_mask=dev["resume_mask"].bool(),
+        final_chunks=dev.get("final_chunks"),
         device=device,
     )
     plan.all_resume, plan.lead = S > 0 and len(init_pos) == S, lead
