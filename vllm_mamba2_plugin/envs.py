@@ -8,7 +8,7 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               "1" (default): with CUDA graphs on, decode-only steps replay FULL CUDA graphs
                               (as vLLM's in-tree Mamba2 does; see backend.py) and mixed steps piecewise ones.
                               "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
-                              pieces). Both are token-exact against the recurrence on an H200 (tests/gpu).
+                              pieces). Both are token-exact against the recurrence on the GPU (tests/gpu).
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors; on the CPU vLLM's own
                               decode ops where the installed vLLM has them (kernels/cpu.py), the plain-torch
                               reference for the rest. "reference": the reference everywhere (debugging, oracles).

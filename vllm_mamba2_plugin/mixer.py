@@ -181,7 +181,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         else:
             # Decode rows and prefill rows are normed separately, each straight into its rows of out: one more
             # norm launch instead of concatenating the two outputs (a copy of every token's d_inner outputs per
-            # layer; 2.6 ms of a 2.7b mixed step on the H200, benchmarks/RESULTS.md). The norm is per row.
+            # layer). The norm is per row.
             if nd > 0:
                 y_d = self._decode_step(ops, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
                                           meta.state_indices_d_i32)

@@ -33,9 +33,9 @@ engine-core process (``install_scheduler``, when the plugin's state manager is b
    pools change); any other group, and a negative accepted-token bias, go through vLLM's function unchanged.
    Why: before every step with prefix caching, vLLM's V1 runner (``preprocess_mamba``, "align" mode) collects
    them in Python per (request that moves to a new block, layer, state), indexing the pool twice per entry:
-   every cache hit and every prefill chunk that crosses a block moves. A step of 51 cache hits at the 2.7b shape
-   makes 51 x 64 x 2 entries; a profile on the H200 showed ~42 ms of ``aten::select`` alone in such a step
-   (benchmarks/RESULTS.md, "Prefix caching"). Same entries, same order: ``tests/test_patches.py``.
+   every cache hit and every prefill chunk that crosses a block moves: requests x layers x 2 entries, whose
+   indexing dominated the host time of cache-hit steps in a profile (benchmarks/RESULTS.md, "Prefix caching").
+   Same entries, same order: ``tests/test_patches.py``.
    Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py`` against vLLM's function, the prefix-caching engine
    tests). Same function and signature in 0.26.0 and 0.33.0 (read). vLLM 0.32's V2 runner (its default on CUDA)
    moves states with a fused kernel and never calls it; 0.34 deletes the function with the V1 runner, and the

@@ -79,18 +79,15 @@ def ssm_state_update(
 # (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``, keyed by (head_dim, d_state, state
 # bytes); shapes not in the table keep the upstream launch. Its wrapper launches one fixed tile per d_state
 # (selective_state_update.py:193-197: (4, 4) for d_state 128, (8, 4) for 64) whatever the batch: head_dim/4 x
-# batch x heads programs of one 4 x 128 tile each, ~1.7 TB/s of state traffic on an H200. vLLM's in-tree copy
+# batch x heads programs of one 4 x 128 tile each, far from the memory floor at large batch. vLLM's in-tree copy
 # reads tuned H200 files for head_dim 64 / d_state 128 only and falls back to the same tiles elsewhere.
-# Measured on the H200 (benchmarks/ssu_launch.py, RESULTS.md "State-update launch"):
-# - 16-bit states: a 16-row tile runs 2.1-3.0x faster than upstream's from batch*heads >= 1536 on every measured
-#   shape (3.6-3.9 TB/s): two warps for d_state 128 (head_dim 64 and 128), one for d_state 64 (two warps: up to 20 %
-#   slower at batch 64). (64, 128) also from batch*heads 64 (1.3-1.5x at batch 1 with 80-128 heads; at 24 the two
-#   are within noise). The other shapes' entries start at their smallest measured batch*heads (2048).
+# The entries are measured (benchmarks/ssu_launch.py; the numbers: RESULTS.md, "State-update launch"):
+# - 16-bit states: a 16-row tile beats upstream's from the batch*heads where each entry starts, on every measured
+#   shape: two warps for d_state 128 (head_dim 64 and 128), one for d_state 64. The other shapes' entries start
+#   at their smallest measured batch*heads (2048).
 # - fp32 states (--mamba-ssm-cache-dtype float32): (64, 128) takes vLLM 0.26's tuned H200 tiles (its
-#   headdim=64,dstate=128,...,cache_dtype=float32.json: BLOCK_SIZE_M 4 with one warp up to batch*heads 8192, 8
-#   with one warp around 12288-24576), simplified to those two; the other shapes were measured at batch 256
-#   only (8192-12288 rows), where the optimum is flat (every 8- or 16-row tile within 3 %) and upstream's tile
-#   is 9-60 % slower.
+#   headdim=64,dstate=128,...,cache_dtype=float32.json), simplified to two; the other shapes were measured at
+#   batch 256 only, where the optimum is flat among 8- and 16-row tiles and upstream's tile is slower.
 SSU_LAUNCH_TABLE: dict = {
     (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
     (128, 128, 2): [(2048, (16, 2))],
@@ -117,9 +114,8 @@ def ssu_launch_config(batch: int, nheads: int, head_dim: int, dstate: int,
 def ssu_warm_batches(nheads: int, head_dim: int, dstate: int, state_dtype: torch.dtype) -> list:
     """Batch sizes whose state updates compile every launch ``ssu_launch_config`` can pick for this layer, each
     under each of Triton's specialisations of the integer ``batch`` argument (== 1, multiple of 16, other).
-    A launch the warm-up never ran is compiled the first time a step needs it: on the H200 the fp32 table's
-    second tile (from batch * heads >= 12 288, i.e. batch >= 154 at 2.7b) was compiled during serving, in a mixed
-    step (vLLM's JIT monitor, benchmarks/RESULTS.md); a compile inside a CUDA-graph capture would fail."""
+    A launch the warm-up never ran is compiled the first time a step needs it, while serving (vLLM's JIT monitor
+    showed one: benchmarks/RESULTS.md); a compile inside a CUDA-graph capture would fail."""
     rows = SSU_LAUNCH_TABLE.get((head_dim, dstate, state_dtype.itemsize), ())
     starts = sorted({1} | {max(1, -(-lo // nheads)) for lo, _ in rows})  # first batch of each launch's range
     out = set()

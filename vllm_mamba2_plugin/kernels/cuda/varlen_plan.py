@@ -284,8 +284,8 @@ def build_plan(
     ne = [s for s in range(S) if cu[s + 1] > cu[s]]
     cu_k = [0] + [cu[s + 1] - lo for s in ne]
     # Token-sized host arrays in numpy: torch's CPU repeat_interleave runs a parallel loop over the sequences
-    # (grain 1), and waking the intra-op threads cost ~2.6 ms per call on the H200 machine's host (cProfile of the
-    # metadata build, benchmarks/RESULTS.md); numpy stays on the calling thread (~5 us here).
+    # (grain 1), and waking the intra-op threads costs milliseconds per call on a many-core host (cProfile of the
+    # metadata build: benchmarks/prefill_layer.py --host-profile); numpy stays on the calling thread.
     cu_k_np = np.asarray(cu_k, dtype=np.int64)
     seq_idx_np = np.repeat(np.arange(len(ne), dtype=np.int64), np.diff(cu_k_np))
     host = {

@@ -6,7 +6,7 @@ once per process and layer signature, on scratch pools, through the layer's real
 
 * mamba-ssm's SSD kernels are autotuned before the state pools take the memory the autotuner's trial runs need,
   and on layouts as large as a real step (``prefill_layouts``): without this the first prefill of a process
-  pays for it (on the H200 the first mixed step of a 7b-shape run took 29.6 s, benchmarks/RESULTS.md);
+  pays for it, seconds inside a served step (benchmarks/RESULTS.md);
 * every Triton specialisation a step can hit is compiled before serving, and before vLLM captures FULL decode
   graphs: a JIT compile must not happen inside a capture (``decode_step.ssu_warm_batches``).
 As vLLM's in-tree Mamba2 does with its ``_warmup_ssd_kernels``.
@@ -84,8 +84,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     layouts filling it, one per call signature of the SSD kernels. mamba-ssm's SSD kernels are autotuned once per
     key of head, state and chunk sizes -- not length -- and tensor dtypes (an argument given or None counts), on
     the arguments of that signature's first call, and that choice then serves every step; tuned on two chunks,
-    ``_chunk_state_fwd`` takes a tile that costs 1.3x on the 32-chunk steps where the GPU time is (H200, 2.7b:
-    111 vs 86 us per layer). So: two fresh prompts (the packed call), a resumed first sequence ending inside
+    ``_chunk_state_fwd`` takes a tile that is slower on the 32-chunk steps where the GPU time is
+    (benchmarks/ssd_autotune.py). So: two fresh prompts (the packed call), a resumed first sequence ending inside
     chunk 0 (state passing with an initial state; the varlen final-state kernel) and a resumed second sequence
     (its rerun: the kernels without seq_idx). Their intermediates are allocated inside the profile run that
     sizes the state pools, as a real step of that size allocates them.
