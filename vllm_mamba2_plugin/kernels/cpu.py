@@ -89,7 +89,8 @@ def ssd_chunk_scan(
     states = reference.select_initial(initial_states, has_initial_state, (S, H, P, N), torch.float32, x.device)
     states = states.clone() if states is initial_states else states  # the op writes the final states into it
     dt = dt.to(torch.float32) if dt_bias is None else reference.process_dt(dt, dt_bias, dt_limit)
-    out = torch.zeros_like(x)  # tokens outside the sequences stay 0
+    covers = int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == T  # else tokens outside the sequences stay 0
+    out = torch.empty_like(x) if covers else torch.zeros_like(x)
     torch.ops._C.mamba_chunk_scan_fwd_cpu(out, states, x, dt, A.to(torch.float32), B, C,
                                           None if D is None else D.to(torch.float32), None,
                                           cu_seqlens.to(torch.int32))
@@ -188,11 +189,17 @@ def gated_rms_norm(
     if not _has_op("rms_norm", _NORM_ARGS) or group_size <= 0 or d % group_size:
         return reference.gated_rms_norm(x, z, weight, eps, group_size, out)
     h = x.to(f32) if z is None else torch.nn.functional.silu(z.to(f32)).mul_(x)
-    y = torch.empty(h.numel() // group_size, group_size, dtype=f32, device=h.device)
     one_group = group_size == d
-    torch.ops._C.rms_norm(y, h.reshape(-1, group_size), weight.to(f32) if one_group else None, eps)
-    y = y.view(h.shape) if one_group else y.view(h.shape).mul_(weight.to(f32))
+    # The op writes straight into a float32 out (the mixer's case with fp32 activations): no copy afterwards.
+    direct = out is not None and out.dtype == f32 and out.is_contiguous() and out.numel() == h.numel()
+    y = out if direct else torch.empty(h.shape, dtype=f32, device=h.device)
+    torch.ops._C.rms_norm(y.view(-1, group_size), h.reshape(-1, group_size), weight.to(f32) if one_group else None,
+                          eps)
+    if not one_group:
+        y.view(h.shape).mul_(weight.to(f32))
+    if direct:
+        return out
     if out is None:
-        return y.to(x.dtype)
+        return y.view(h.shape).to(x.dtype)
     out.copy_(y.view(out.shape))
     return out
