@@ -72,8 +72,9 @@ def parse_layout(spec: str):
     computed tokens). Segments joined by "+", in step order: "d<N>" N one-token decode rows (first: vLLM's runner
     puts decodes first), "<S>x<L>" S fresh prompts of L tokens ("...r": every other one resumed, "...r1": the first
     one resumed), "r<L>" one resumed chunk of L tokens ("r<L>@<C>": after C computed tokens; schedule_steps.py
-    --layouts writes these), "<L>" one fresh prompt. E.g. "16x512r1", or "d33+r16+15x512+15" (a chunked-prefill mixed step of 8 192 tokens: 33 decode
-    rows, the rest of a prompt the previous step cut, 15 prompts, the first 15 tokens of another)."""
+    --layouts writes these), "<L>" one fresh prompt. E.g. "16x512r1", or "d33+r16+15x512+15" (a chunked-prefill
+    mixed step of 8 192 tokens: 33 decode rows, the rest of a prompt the previous step cut, 15 prompts, the first
+    15 tokens of another)."""
     nd, lengths, resumed = 0, [], []
     for i, seg in enumerate(spec.split("+")):
         if seg.startswith("d"):
@@ -312,11 +313,16 @@ def with_path(runner, path: str):
         with forced_path(path):
             run, build_us = runner(*args)
 
-        def forced():
-            with forced_path(path):
-                return run()
+        def forced_call(fn):
+            def call():
+                with forced_path(path):
+                    return fn()
+            return call
 
-        forced.build = run.build
+        forced = forced_call(run)
+        forced.build = forced_call(run.build)
+        if hasattr(run, "first_layer"):  # --host-profile's sync check
+            forced.first_layer = forced_call(run.first_layer)
         return forced, build_us
 
     return forced_runner
@@ -443,9 +449,13 @@ def main():
     paths = args.paths.split(",")
     if set(paths) - set(PATHS):
         ap.error(f"unknown path(s) {sorted(set(paths) - set(PATHS))}; choose from {list(PATHS)}")
-    jobs = [(impl if len(paths) == 1 or not impl.startswith("plugin") else f"{impl}/{path}",
-             with_path(RUNNERS[impl], path) if impl.startswith("plugin") else RUNNERS[impl])
-            for impl in impls for path in (paths if impl.startswith("plugin") else ["auto"])]
+    jobs = []  # (name, runner): the plugin's runners once per forced path, the others once
+    for impl in impls:
+        if not impl.startswith("plugin"):
+            jobs.append((impl, RUNNERS[impl]))
+            continue
+        for path in paths:
+            jobs.append((impl if len(paths) == 1 else f"{impl}/{path}", with_path(RUNNERS[impl], path)))
     if args.block and impls != ["plugin"]:
         ap.error("--block (prefix caching) runs the plugin's path only: --impls plugin")
     if "intree" in impls and dev.type != "cuda":

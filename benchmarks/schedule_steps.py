@@ -16,10 +16,10 @@ prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's 
 (``varlen_plan.build_plan`` and, with caching, ``boundary_plan``). Reported per run: steps, steps with prefill,
 their prefill tokens, prefill sequences per step, how often each resume path of ``ssd_prefill`` is taken (none /
 native / rerun / rows / correction) and how often a resumed first sequence leads the others (``VarlenPlan.lead``),
-the SSD forward calls per layer that implies (the correction counts none: it is ~40 small launches), and the
-steps whose boundary states need a second pass, and with ``--layouts N`` N of its prefill steps in
-``prefill_layer.py``'s layout syntax (to time each resume path on them there). ``--vllm-cut`` shows the steps vLLM's own "align" cut would make
-instead (chunks also stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
+the SSD forward calls per layer that implies (the correction counts none: it is ~40 small launches), and the steps
+whose boundary states need a second pass, and with ``--layouts N`` N of its prefill steps in ``prefill_layer.py``'s
+layout syntax (to time each resume path on them there). ``--vllm-cut`` shows the steps vLLM's own "align" cut would
+make instead (chunks also stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
 """
 
 import argparse
