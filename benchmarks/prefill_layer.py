@@ -30,7 +30,7 @@ in-tree runner has prefill rows only).
 
 Reported per layout: host_us = CPU time to enqueue one layer (measured over ``--iters`` layers with no sync in
 between), wall_us = wall time per layer with the GPU kept busy (sync after the loop), device breakdown per
-kernel from torch.profiler, and the per-step estimate num_layers * wall_us. host_us close to wall_us means the
+kernel from torch.profiler, and the per-step estimate build_us + num_layers * wall_us. host_us close to wall_us means the
 path is host-bound: the GPU waits for Python.
 
 ``--impls intree`` runs, on the same inputs and state pools, the kernel sequence vLLM's in-tree ``MambaMixer2``
@@ -434,7 +434,8 @@ def main():
     ap.add_argument("--block", type=int, default=0,
                     help="prefix caching with blocks of this many tokens (the plugin only; 0: off)")
     ap.add_argument("--resume-context", type=int, default=7, help="computed tokens before a resumed chunk")
-    ap.add_argument("--state-dtype", default=None, help="the SSM state pool's dtype (default: --dtype)")
+    ap.add_argument("--state-dtype", default=None,
+                    help="the SSM state pool's dtype, or a comma list run one after the other (default: --dtype)")
     ap.add_argument("--paths", default="auto", help="the plugin's resume paths to force, comma list of: "
                     + ", ".join(PATHS) + " (plugin rows are named plugin/<path> then)")
     ap.add_argument("--host-profile", action="store_true",
@@ -445,7 +446,7 @@ def main():
     if unknown:
         ap.error(f"unknown implementation(s) {unknown}; choose from {list(RUNNERS)}")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    state_dtype = getattr(torch, args.state_dtype) if args.state_dtype else dtype
+    state_dtypes = [getattr(torch, d) for d in args.state_dtype.split(",")] if args.state_dtype else [dtype]
     paths = args.paths.split(",")
     if set(paths) - set(PATHS):
         ap.error(f"unknown path(s) {sorted(set(paths) - set(PATHS))}; choose from {list(PATHS)}")
@@ -465,47 +466,54 @@ def main():
     holder = [None]
     # No engine, so no forward context: the mixer's one lookup in it answers with this step's metadata.
     with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
-        for spec in args.layouts.split(","):
-            nd, lengths, resumed = parse_layout(spec)
-            step = make_step(layer, nd, lengths, resumed, dtype, dev, block=args.block,
-                             resume_context=args.resume_context)
-            T, S = step["T"], step["S"]
-            runs = {}
-            for impl, runner in jobs:
-                layer.kv_cache = fresh_pools(step, dtype, dev, state_dtype)
-                try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
-                    run, build_us = runner(layer, step, dev, holder)
-                    r = dict(model=args.model, impl=impl, layout=spec, tokens=T, sequences=S, decode_rows=nd,
-                             resumed=sum(map(bool, resumed)), state_dtype=str(state_dtype).split(".")[-1],
-                             device=str(dev), dtype=args.dtype, build_us=build_us,
-                             **measure(run, dev, args.iters, args.rows))
-                except Exception:
-                    traceback.print_exc()
-                    print(f"{args.model} {impl:>6} {spec:>9}: FAILED (traceback above)", flush=True)
-                    continue
-                runs[impl] = run
-                r["step_ms_estimate"] = r["wall_us"] * layers / 1e3
-                print(f"{args.model} {impl:>6} {spec:>9} T={T}: metadata build {build_us:.0f} us | per layer: "
-                      f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
-                      f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
-                for name, us, count in r["kernels"]:
-                    print(f"    {us:9.1f} us  x{count:<3} {name}")
-                if r["host_ops"]:
-                    print("    host (self CPU time per layer, under the profiler):")
-                for name, us, count in r["host_ops"]:
-                    print(f"    {us:9.1f} us  x{count:<3} {name}")
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(r) + "\n")
-                if args.host_profile:
-                    print(f"{args.model} {impl:>6} {spec:>9} host profile:\n{host_profile(run, dev, args.iters, args.rows)}",
-                          flush=True)
-            if len(runs) > 1:
-                diffs = compare(layer, step, runs, dtype, dev, state_dtype)
-                print(f"{args.model} {spec:>9} max |difference| from identical pools: {json.dumps(diffs)}", flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(dict(model=args.model, layout=spec, compare=diffs)) + "\n")
+        for state_dtype in state_dtypes:
+            run_layouts(args, layer, layers, jobs, holder, dtype, dev, state_dtype)
+
+
+def run_layouts(args, layer, layers, jobs, holder, dtype, dev, state_dtype):
+    """Every layout of ``--layouts`` through every job, with SSM state pools of ``state_dtype``."""
+    for spec in args.layouts.split(","):
+        nd, lengths, resumed = parse_layout(spec)
+        step = make_step(layer, nd, lengths, resumed, dtype, dev, block=args.block,
+                         resume_context=args.resume_context)
+        T, S = step["T"], step["S"]
+        runs = {}
+        for impl, runner in jobs:
+            layer.kv_cache = fresh_pools(step, dtype, dev, state_dtype)
+            try:  # one implementation failing (e.g. another vLLM release's signatures) must not hide the rest
+                run, build_us = runner(layer, step, dev, holder)
+                r = dict(model=args.model, impl=impl, layout=spec, tokens=T, sequences=S, decode_rows=nd,
+                         resumed=sum(map(bool, resumed)), state_dtype=str(state_dtype).split(".")[-1],
+                         device=str(dev), dtype=args.dtype, build_us=build_us,
+                         **measure(run, dev, args.iters, args.rows))
+            except Exception:
+                traceback.print_exc()
+                print(f"{args.model} {impl:>6} {spec:>9}: FAILED (traceback above)", flush=True)
+                continue
+            runs[impl] = run
+            r["step_ms_estimate"] = (r["wall_us"] * layers + build_us) / 1e3
+            print(f"{args.model} {impl:>6} {spec:>9} T={T}: metadata build {build_us:.0f} us | per layer: "
+                  f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
+                  f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
+            for name, us, count in r["kernels"]:
+                print(f"    {us:9.1f} us  x{count:<3} {name}")
+            if r["host_ops"]:
+                print("    host (self CPU time per layer, under the profiler):")
+            for name, us, count in r["host_ops"]:
+                print(f"    {us:9.1f} us  x{count:<3} {name}")
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+            if args.host_profile:
+                print(f"{args.model} {impl:>6} {spec:>9} host profile:\n{host_profile(run, dev, args.iters, args.rows)}",
+                      flush=True)
+        if len(runs) > 1:
+            diffs = compare(layer, step, runs, dtype, dev, state_dtype)
+            print(f"{args.model} {spec:>9} max |difference| from identical pools: {json.dumps(diffs)}", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(dict(model=args.model, layout=spec, state_dtype=str(state_dtype).split(".")[-1],
+                                           compare=diffs)) + "\n")
 
 
 if __name__ == "__main__":

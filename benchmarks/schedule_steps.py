@@ -116,13 +116,13 @@ def plan_of(rows, chunk: int, block: int) -> dict:
     cu = torch.tensor([0] + [n for _, n in rows]).cumsum(0)
     flags = torch.tensor([c > 0 for c, _ in rows])
     plan = varlen_plan.build_plan(cu, flags, True, int(cu[-1]), chunk, (), torch.device("cpu"))
-    path = plan.resume_path(True, True)
+    path = plan.resume_path(True)
     calls = {"none": 1, "native": 1, "correction": 1, "rerun": 1 + len(plan.others),
              "rows": 1 + (not plan.rows_cover_all)}[path]
     second = False
     if block:
         offsets = [[(b + 1) * block - c for b in range(c // block, (c + n) // block)] for c, n in rows]
-        second = varlen_plan.boundary_plan(plan, offsets, chunk, True, True).rest is not None
+        second = varlen_plan.boundary_plan(plan, offsets, chunk, True).rest is not None
     return dict(path=path, lead=plan.lead, calls=calls + second, second_pass=second)
 
 

@@ -77,7 +77,7 @@ def test_each_forced_path_is_the_one_the_plan_takes_and_the_limits_come_back():
     for path, (resume_path, lead) in want.items():
         with prefill_layer.forced_path(path):  # resume_path reads the limits too
             plan = varlen_plan.build_plan(cu, flags, True, 100, 16)
-            assert (plan.resume_path(True, True), plan.lead) == (resume_path, lead), path
+            assert (plan.resume_path(True), plan.lead) == (resume_path, lead), path
     assert (varlen_plan.SEPARATE_RESUMED_MAX, varlen_plan.ROWS_MAX_PADDING, varlen_plan._rows_host) == shipped
 
 

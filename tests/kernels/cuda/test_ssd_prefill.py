@@ -379,7 +379,7 @@ def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch)
     offsets = [[cs * k for k in range(1, 6)]] + [[cs] if n >= cs else [] for n in hits] + [[cs, 2 * cs], [cs]]
     cu = torch.tensor([0] + lens).cumsum(0)
     plan = ck.plan_prefill(cu, torch.tensor(flags), sum(lens), cs, 4, kern.dev)
-    assert plan.lead and plan.others == [1, 2, 3, 4] and plan.resume_path(True, True) == "rows"
+    assert plan.lead and plan.others == [1, 2, 3, 4] and plan.resume_path(True) == "rows"
     _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed=41)
     assert calls == [(1, sum(lens)), (4, -(-max(hits) // 16) * 16)], calls
     assert len(varlen) == 1
@@ -394,10 +394,10 @@ def test_boundary_plan_is_built_once_per_step():
     cu = torch.tensor([0] + lens).cumsum(0)
     plan = varlen_plan.build_plan(cu, torch.tensor([True, False, False]), True, sum(lens), cs)
     offsets = [[5, cs + 5], [cs], []]
-    first = varlen_plan.boundary_plan(plan, offsets, cs, True, True)
+    first = varlen_plan.boundary_plan(plan, offsets, cs, True)
     assert first.pairs is not None  # the fresh prompt's boundary, from the packed call
-    assert varlen_plan.boundary_plan(plan, offsets, cs, True, True) is first
-    assert varlen_plan.boundary_plan(plan, offsets, cs, False, True) is not first
+    assert varlen_plan.boundary_plan(plan, offsets, cs, True) is first
+    assert varlen_plan.boundary_plan(plan, offsets, cs, False) is not first
 
 
 def test_packed_pairs_ask_for_each_boundary_from_its_own_chunk_state():

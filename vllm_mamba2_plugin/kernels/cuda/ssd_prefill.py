@@ -31,8 +31,9 @@ ONE packed call of every non-empty sequence, with seq_idx:
    than the correction, and prefill steps are host-bound.
 5. More (prefix-cache hits resume a suffix per request): all of them as the rows of ONE more call, each row
    from its own initial state, padded at its end with tokens of processed dt 0, which leave a state unchanged
-   (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``), while the padding stays within
-   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens and dt_limit's lower bound is 0. When every sequence of
+   (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``; the rows call takes processed step sizes, so a positive
+   lower dt limit cannot reach the padding), while the padding stays within
+   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens. When every sequence of
    the step resumes (a step of cache hits) and fits as rows, that call is the only one: no packed call.
 6. Otherwise: the exact correction (``add_initial_state``). SSD is linear in h0, so
        y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
@@ -129,7 +130,7 @@ def ssd_chunk_scan(
         return result if boundary_offsets is None else (*result, no_states)
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
     bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
-                                                             initial_states is not None, fwd.pads_are_inert())
+                                                             initial_states is not None)
     out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
     if bp is None:
@@ -142,7 +143,7 @@ def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
     (S', H, P, N) of the non-empty sequences, in C's dtype or float32, ``_Calls``: the ``SsdResult``s of the calls
     made, whose passed states give prefix caching's boundary states)."""
     has = initial_states is not None
-    path = plan.resume_path(has, fwd.pads_are_inert())
+    path = plan.resume_path(has)
     calls = _Calls()
     if path == "rows" and plan.rows_cover_all:  # every sequence resumes: the rows call alone
         out, fin_k = _resumed_rows(fwd, None, None, plan, initial_states, calls)
@@ -228,7 +229,7 @@ def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_off
     a forward of its own, ending there. Only what the step's own calls do not give comes here
     (``varlen_plan.BoundaryPlan``): inner boundaries of resumed sequences under the correction, or inside a
     chunk."""
-    rows = boundary_rows(plan, boundary_offsets, fwd.chunk_size) if fwd.pads_are_inert() else None
+    rows = boundary_rows(plan, boundary_offsets, fwd.chunk_size)
     if rows is not None:
         return _boundary_rows(fwd, rows, initial_states, state_dtype, hpn)
     cs, out = fwd.chunk_size, []
@@ -289,39 +290,29 @@ class _Forward:
         self.dt_bias, self.raw = dt_bias, dt_bias is not None
         self.dt_limit = dt_limit if self.raw else (0.0, float("inf"))
 
-    def pads_are_inert(self) -> bool:
-        """A padding token can be given a processed step size of exactly 0: the kernel clamps dt to dt_limit
-        after softplus, so a positive lower limit would turn the padding into real steps."""
-        return self.dt_limit[0] <= 0.0
-
-    def pad_dt(self) -> float:
-        """The dt of a padding token. Raw: softplus(-1e4 + dt_bias) = log(1 + exp(-1e4 + b)) = 0 in float32 (and
-        in the kernel's float32 arithmetic for a bf16 input), then clamped to [0, ...]; processed: 0."""
-        return -1e4 if self.raw else 0.0
-
     def gathered(self, src: torch.Tensor, pad: torch.Tensor) -> "_Forward":
-        """The same forward over the tokens ``src`` (long) of this one, in that order; where ``pad`` (bool) is set
-        the token is padding and gets ``pad_dt``. Needs ``pads_are_inert``."""
+        """The same forward over the tokens ``src`` (long) of this one, in that order, with processed step sizes;
+        where ``pad`` (bool) is set the token is padding and gets a step size of exactly 0, whatever dt_limit's
+        lower bound (the kernel would clamp a raw padding dt up to it, turning padding into real steps)."""
 
         def gather(t):
             return t.index_select(0, src)
 
-        dt = gather(self.dt).masked_fill_(pad[:, None], self.pad_dt())
-        return _Forward(gather(self.x), dt, self.A, gather(self.B), gather(self.C), self.chunk_size, self.D,
-                        self.dt_bias, self.dt_limit)
+        dt = gather(self.dt)
+        dt = reference.process_dt(dt, self.dt_bias, self.dt_limit) if self.raw else dt.to(torch.float32)
+        return _Forward(gather(self.x), dt.masked_fill_(pad[:, None], 0.0), self.A, gather(self.B), gather(self.C),
+                        self.chunk_size, self.D, None, (0.0, float("inf")))
 
     def padded(self, rows: PaddedRows, initial_states: torch.Tensor):
         """The forward over padded rows (``varlen_plan.PaddedRows``), each from its row of initial_states; a
-        padding token gets ``pad_dt``. Needs ``pads_are_inert``."""
+        padding token gets a step size of 0 (``gathered``)."""
         g = self.gathered(rows.src, rows.pad)
 
         def row(t):
             return t.view(rows.I, rows.L, *t.shape[1:])
 
-        return SsdResult(*upstream.kernels().ssd_fwd(row(g.x), row(g.dt), self.A, row(g.B), row(g.C),
-                                                     self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                                                     dt_softplus=self.raw, dt_limit=self.dt_limit,
-                                                     initial_states=initial_states))
+        return SsdResult(*upstream.kernels().ssd_fwd(row(g.x), row(g.dt), g.A, row(g.B), row(g.C), g.chunk_size,
+                                                     D=g.D, initial_states=initial_states))
 
     def __call__(self, a: int, b: int, **kw):
         def rows(t):
@@ -386,7 +377,7 @@ def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, 
 def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
     """Path 5: the resumed sequences as the rows of one more call, each from its own initial state (the kernels'
     native form, one state per batch row), padded at the end to the longest (``ResumedRowsPlan``). A padding
-    token's dt is set so that the kernel's processed step size is 0 (``_Forward.pad_dt``): exp(0 * A) = 1 and
+    token's processed step size is 0 (``_Forward.gathered``): exp(0 * A) = 1 and
     dt * B * x = 0, so it leaves the state as it is and a row's final state is its sequence's. Their rows of out
     and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
     None) and this call's results are the whole. Returns (out, float32 final states)."""

@@ -184,7 +184,7 @@ class VarlenPlan:
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
     # boundary_plan's result for the step's boundary offsets (the same list object for every layer): (offsets,
-    # (has_states, pads_ok, chunk_size), plan); boundary_rows' likewise: (offsets, plan)
+    # (has_states, chunk_size), plan); boundary_rows' likewise: (offsets, plan)
     boundary_plan_cache: Optional[tuple] = None
     boundary_cache: Optional[tuple] = None
     # conv_boundary_rows' result, likewise: (offsets, K, ConvBoundaryRows)
@@ -221,18 +221,17 @@ class VarlenPlan:
         (then ``others`` take one of the paths below as well)."""
         return has_states and (self.lead or self.native_first(True))
 
-    def resume_path(self, has_states: bool, pads_ok: bool) -> str:
+    def resume_path(self, has_states: bool) -> str:
         """How ``ssd_prefill`` computes the resumed sequences: "none" (no non-empty sequence resumes a state, or no
         states given), "native" (``native_first``), or, for ``others``: "rerun" (each alone, at most
-        ``SEPARATE_RESUMED_MAX``), "rows" (as the rows of one more call; pads_ok: padding tokens can be made
-        inert) or "correction"."""
+        ``SEPARATE_RESUMED_MAX``), "rows" (as the rows of one more call) or "correction"."""
         if self.native_first(has_states):
             return "native"
         if self.init is None or not has_states:
             return "none"
         if len(self.others) <= SEPARATE_RESUMED_MAX:
             return "rerun"
-        return "rows" if self.rows is not None and pads_ok else "correction"
+        return "rows" if self.rows is not None else "correction"
 
     def reruns_resumed(self) -> bool:
         """The conv's choice: up to ``SEPARATE_RESUMED_MAX`` resumed sequences keep the in-place layout (each one's
@@ -443,17 +442,16 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
             (("tok_row", tok_row), ("state_row", state_row), ("seq_idx", seq_idx), ("final_row", final_row))}
 
 
-def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool, pads_ok: bool) -> BoundaryPlan:
+def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool) -> BoundaryPlan:
     """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
-    per plan. has_states: the scan gets initial states at all; pads_ok: padding tokens can be made inert
-    (``ssd_prefill._Forward.pads_are_inert``: the resumed rows' call)."""
-    key = (has_states, pads_ok, chunk_size)
+    per plan. has_states: the scan gets initial states at all."""
+    key = (has_states, chunk_size)
     cache = plan.boundary_plan_cache
     if cache is not None and cache[0] is offsets and cache[1] == key:
         return cache[2]
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
-    path = plan.resume_path(has_states, pads_ok)
+    path = plan.resume_path(has_states)
     packed, pairs = _packed_pairs(plan, offsets, chunk_size, has_states and path != "none",
                                   plan.first_takes_state(has_states))
     picks: Dict[object, list] = {}  # source -> what to take from it; a rerun's source is ("rerun", sequence)
