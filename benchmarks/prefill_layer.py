@@ -8,8 +8,8 @@
     python benchmarks/prefill_layer.py --model 2.7b --layouts r1000+3x2200+16 --resume-context 1200 --block 256
                                                           # a prefix-caching step of cache misses (--block 0: off)
     python benchmarks/prefill_layer.py --model 2.7b --layouts "$(python benchmarks/schedule_steps.py --layouts 8 \
-        --workload mixed --caching on --quiet | tail -1)" --block 256 --paths auto,rerun,rows,lead-rows,correction \
-        --state-dtype float32    # each resume path on steps of a workload (plugin/<path> rows)
+        --workload mixed --caching on --quiet | tail -1)" --block 256 --state-dtype bfloat16,float32
+                                                          # steps of a workload (benchmarks/prefill_steps.sh)
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -43,7 +43,6 @@ from identical copies of the pools: the in-tree kernels are an independent oracl
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -268,66 +267,6 @@ def intree_runner(layer: Mamba2Mixer, step, dev, holder):
 RUNNERS = {"plugin": plugin_runner, "plugin-triton-launch": plugin_triton_launch_runner, "intree": intree_runner}
 
 
-# --paths: the CUDA prefill's resume path forced for every step where more than a lone first sequence resumes, by
-# varlen_plan's limits ("auto": as shipped). "lead-rows": a resumed first sequence always leads (the packed call
-# starts it from its state) and the other resumed ones go as rows; "rows": every resumed one as rows.
-PATHS = {
-    "auto": {},
-    "rerun": dict(SEPARATE_RESUMED_MAX=1 << 30),
-    "rows": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=float("inf"), ROWS_MAX_CHUNKS=1 << 30),
-    "lead-rows": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=float("inf"), ROWS_MAX_CHUNKS=1 << 30,
-                      _rows_host="lead"),
-    "correction": dict(SEPARATE_RESUMED_MAX=0, ROWS_MAX_PADDING=0.0),
-}
-
-
-@contextlib.contextmanager
-def forced_path(path: str):
-    """varlen_plan's limits set for ``path`` (``PATHS``) for the duration."""
-    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
-
-    limits = dict(PATHS[path])
-    if limits.get("_rows_host") == "lead":
-        real = varlen_plan._rows_host
-
-        def no_rows_with_a_resumed_first(host, cu, ne, init_pos, chunk_size):
-            return None if len(init_pos) > 1 and init_pos[0] == 0 else real(host, cu, ne, init_pos, chunk_size)
-
-        limits["_rows_host"] = no_rows_with_a_resumed_first
-    saved = {k: getattr(varlen_plan, k) for k in limits}
-    for k, v in limits.items():
-        setattr(varlen_plan, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(varlen_plan, k, v)
-
-
-def with_path(runner, path: str):
-    """A runner whose metadata build and every call take the forced ``path``."""
-    if path == "auto":
-        return runner
-
-    def forced_runner(*args):
-        with forced_path(path):
-            run, build_us = runner(*args)
-
-        def forced_call(fn):
-            def call():
-                with forced_path(path):
-                    return fn()
-            return call
-
-        forced = forced_call(run)
-        forced.build = forced_call(run.build)
-        if hasattr(run, "first_layer"):  # --host-profile's sync check
-            forced.first_layer = forced_call(run.first_layer)
-        return forced, build_us
-
-    return forced_runner
-
-
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -436,8 +375,6 @@ def main():
     ap.add_argument("--resume-context", type=int, default=7, help="computed tokens before a resumed chunk")
     ap.add_argument("--state-dtype", default=None,
                     help="the SSM state pool's dtype, or a comma list run one after the other (default: --dtype)")
-    ap.add_argument("--paths", default="auto", help="the plugin's resume paths to force, comma list of: "
-                    + ", ".join(PATHS) + " (plugin rows are named plugin/<path> then)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also: synchronising calls (CUDA) and a cProfile of the layer's Python host time")
     args = ap.parse_args()
@@ -447,16 +384,7 @@ def main():
         ap.error(f"unknown implementation(s) {unknown}; choose from {list(RUNNERS)}")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     state_dtypes = [getattr(torch, d) for d in args.state_dtype.split(",")] if args.state_dtype else [dtype]
-    paths = args.paths.split(",")
-    if set(paths) - set(PATHS):
-        ap.error(f"unknown path(s) {sorted(set(paths) - set(PATHS))}; choose from {list(PATHS)}")
-    jobs = []  # (name, runner): the plugin's runners once per forced path, the others once
-    for impl in impls:
-        if not impl.startswith("plugin"):
-            jobs.append((impl, RUNNERS[impl]))
-            continue
-        for path in paths:
-            jobs.append((impl if len(paths) == 1 else f"{impl}/{path}", with_path(RUNNERS[impl], path)))
+    jobs = [(impl, RUNNERS[impl]) for impl in impls]
     if args.block and impls != ["plugin"]:
         ap.error("--block (prefix caching) runs the plugin's path only: --impls plugin")
     if "intree" in impls and dev.type != "cuda":

@@ -13,12 +13,12 @@ then selects vLLM's CPU platform itself (their builds are not for this machine).
 
 Each step's prefill block goes, in the order vLLM's runner puts it (sequences that continue a prompt, then fresh
 prompts: ``reorder_batch_to_split_decodes_and_prefills``), through the plugin's own step planning
-(``varlen_plan.build_plan`` and, with caching, ``boundary_plan``). Reported per run: steps, steps with prefill,
+(``varlen_plan.build_plan`` and, with caching, ``add_boundaries``). Reported per run: steps, steps with prefill,
 their prefill tokens, prefill sequences per step, how often each resume path of ``ssd_prefill`` is taken (none /
-native / rerun / rows / correction) and how often a resumed first sequence leads the others (``VarlenPlan.lead``),
-the SSD forward calls per layer that implies (the correction counts none: it is ~40 small launches), and the steps
-whose boundary states need a second pass, and with ``--layouts N`` N of its prefill steps in ``prefill_layer.py``'s
-layout syntax (to time each resume path on them there). ``--vllm-cut`` shows the steps vLLM's own "align" cut would
+native / rows: ``varlen_plan.ResumePath``) and how often a resumed first sequence takes the packed call's own
+state while others take row groups, the SSD forward calls per layer that implies, and the steps whose boundary
+states need a second pass, and with ``--layouts N`` N of its prefill steps in ``prefill_layer.py``'s layout
+syntax (to time them there). ``--vllm-cut`` shows the steps vLLM's own "align" cut would
 make instead (chunks also stopped at each prompt's last block boundary; the plugin replaces it: patches.py, 4).
 """
 
@@ -116,14 +116,14 @@ def plan_of(rows, chunk: int, block: int) -> dict:
     cu = torch.tensor([0] + [n for _, n in rows]).cumsum(0)
     flags = torch.tensor([c > 0 for c, _ in rows])
     plan = varlen_plan.build_plan(cu, flags, True, int(cu[-1]), chunk, (), torch.device("cpu"))
-    path = plan.resume_path(True)
-    calls = {"none": 1, "native": 1, "correction": 1, "rerun": 1 + len(plan.others),
-             "rows": 1 + (not plan.rows_cover_all)}[path]
+    calls = plan.packed_call + len(plan.groups)
     second = False
     if block:
         offsets = [[(b + 1) * block - c for b in range(c // block, (c + n) // block)] for c, n in rows]
-        second = varlen_plan.boundary_plan(plan, offsets, chunk, True).rest is not None
-    return dict(path=path, lead=plan.lead, calls=calls + second, second_pass=second)
+        varlen_plan.add_boundaries(plan, offsets)
+        second = plan.boundary.rest is not None
+    return dict(path=plan.path.value, first_native=plan.first_native, groups=len(plan.groups), calls=calls + second,
+                second_pass=second)
 
 
 def layout_of(decodes: int, rows) -> str:
@@ -165,7 +165,8 @@ def summary(steps, caching: bool, args) -> dict:
                 vllm_cut=caching and args.vllm_cut, steps=len(steps),
                 prefill_steps=len(pre), prefill_tokens=sum(s["prefill_tokens"] for s in pre),
                 prefill_seqs_per_step=round(sum(s["prefill"] for s in pre) / max(len(pre), 1), 2),
-                paths=dict(Counter(s["path"] for s in pre)), lead_steps=sum(s["lead"] for s in pre),
+                paths=dict(Counter(s["path"] for s in pre)),
+                first_native_with_groups=sum(s["first_native"] and s["groups"] > 0 for s in pre),
                 ssd_calls_per_layer=round(sum(s["calls"] for s in pre) / max(len(pre), 1), 2),
                 second_pass_steps=sum(s["second_pass"] for s in pre),
                 layouts=[pre[i * len(pre) // args.layouts]["layout"] for i in range(min(args.layouts, len(pre)))])

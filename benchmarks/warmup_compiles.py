@@ -59,7 +59,7 @@ def main() -> None:
     import torch
     from cuda_helpers import grid_layer
 
-    from vllm_mamba2_plugin.kernels.cuda import upstream, varlen_plan, warmup
+    from vllm_mamba2_plugin.kernels.cuda import upstream, warmup
 
     if args.precision:
         upstream.FP32_DOT_PRECISION = args.precision
@@ -67,7 +67,7 @@ def main() -> None:
     dev = torch.device("cuda")
     layer = grid_layer(args.model, dev)
     layer.get_state_dtype = lambda: (torch.float32, torch.float32)
-    layouts = warmup.prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, args.tokens)
+    layouts = warmup.prefill_layouts(layer.chunk_size, args.tokens)
     slots = 1 + max(len(lengths) for lengths, _ in layouts)
     conv_pool, ssm_pool = layer.scratch_pools(slots, dev)
     width = layer.projection_width

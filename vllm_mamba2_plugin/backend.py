@@ -158,7 +158,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
         slots = self._running_slots(common_attn_metadata, num_reqs)
-        plan, any_init = None, False
+        plan, any_init, offsets, boundary_slots = None, False, None, None
         if num_prefills == 0:
             qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
         else:
@@ -172,14 +172,14 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             # for the device mask the layers read (the plan's upload of the same flags).
             has_init_cpu = context_lens[num_decodes:] > 0
             any_init = bool(has_init_cpu.any())
+            offsets, boundary_slots = (self._boundaries(common_attn_metadata, num_decodes, context_lens,
+                                                        seq_lens_cpu) if self.prefix_caching else (None, None))
             plan = self.kernels.plan_prefill(
                 qsl_cpu[num_decodes:] - num_decode_tokens, has_init_cpu, num_prefill_tokens,
-                self.chunk_size, self.conv_width, self.device,
+                self.chunk_size, self.conv_width, self.device, boundary_offsets=offsets,
             )
             has_init_p = upload(has_init_cpu, self.device) if plan is None else plan.resume_mask
         slots_d = slots[:num_decodes]
-        offsets, boundary_slots = (self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
-                                   if self.prefix_caching and num_prefills else (None, None))
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,

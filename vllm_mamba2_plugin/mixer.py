@@ -277,7 +277,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
         T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
         z, xBC, dt = self._split_projection(rows)
-        plan = ops.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev)
+        plan = ops.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev, boundary_offsets=boundary_offsets)
         slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
         boundary_slots = None
         if boundary_offsets is not None:

@@ -65,22 +65,6 @@ def test_a_steps_first_layer_builds_its_metadata_afresh_and_computes_the_same_la
     assert torch.equal(outs[0], outs[1])
 
 
-def test_each_forced_path_is_the_one_the_plan_takes_and_the_limits_come_back():
-    """``--paths``: a step whose six sequences all resume (the first one too) under each forced path."""
-    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
-
-    cu, flags = torch.tensor([0, 10, 30, 50, 70, 90, 100]), torch.ones(6, dtype=torch.bool)
-    shipped = (varlen_plan.SEPARATE_RESUMED_MAX, varlen_plan.ROWS_MAX_PADDING, varlen_plan._rows_host)
-    want = {"auto": ("rows", False), "rerun": ("rerun", True), "rows": ("rows", False),
-            "lead-rows": ("rows", True), "correction": ("correction", True)}
-    assert set(want) == set(prefill_layer.PATHS)
-    for path, (resume_path, lead) in want.items():
-        with prefill_layer.forced_path(path):  # resume_path reads the limits too
-            plan = varlen_plan.build_plan(cu, flags, True, 100, 16)
-            assert (plan.resume_path(True), plan.lead) == (resume_path, lead), path
-    assert (varlen_plan.SEPARATE_RESUMED_MAX, varlen_plan.ROWS_MAX_PADDING, varlen_plan._rows_host) == shipped
-
-
 def test_a_layout_can_give_each_continued_prompt_its_computed_tokens():
     nd, lengths, resumed = prefill_layer.parse_layout("d2+r41@64+r16+32")
     assert (nd, lengths, resumed) == (2, [41, 16, 32], [64, True, False])

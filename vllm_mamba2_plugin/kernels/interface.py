@@ -14,8 +14,10 @@ import torch
 
 class Mamba2Kernels(Protocol):
     def plan_prefill(self, cu_seqlens_cpu: torch.Tensor, has_initial_state_cpu: Optional[torch.Tensor],
-                     num_tokens: int, chunk_size: int, conv_width: int, device: torch.device) -> object:
-        """The step's prefill index plan, shared by every layer (None where the implementation needs none)."""
+                     num_tokens: int, chunk_size: int, conv_width: int, device: torch.device,
+                     boundary_offsets: Optional[list] = None) -> object:
+        """The step's prefill index plan, shared by every layer (None where the implementation needs none);
+        with prefix caching's boundary offsets (per sequence) it plans their states too."""
 
     def ssd_chunk_scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                        chunk_size: int, cu_seqlens: torch.Tensor, initial_states: Optional[torch.Tensor] = None,

@@ -79,7 +79,8 @@ def seq_bounds(cu_seqlens: torch.Tensor) -> list:
     return cu
 
 
-def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device):
+def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device,
+                 boundary_offsets=None):
     """The reference kernels work from cu_seqlens directly: no per-step plan (see cuda.plan_prefill)."""
     return None
 

@@ -48,16 +48,17 @@ def kern(request, monkeypatch):
     return SimpleNamespace(name="cuda", dev=torch.device("cuda"))
 
 
-@pytest.fixture(params=["rerun", "rows", "correction"])
+@pytest.fixture(params=["singles", "rows", "groups"])
 def resume_path(request, kern, monkeypatch):
-    """How sequences that resume a saved state are handled: "rerun" (each one alone through the kernels'
-    native initial state; the wrappers' choice for up to varlen_plan.SEPARATE_RESUMED_MAX of them), "rows" (all
-    of them as the padded rows of one more call, each from its own state; the choice for more, while the padding
-    stays within varlen_plan.ROWS_MAX_PADDING) or "correction" (the batched exact correction of the SSD output);
-    "rows" and "correction" are forced here, and both use the extended conv buffer. Returns the list of SSD
-    forward calls' batch-row lengths, to check which path ran."""
-    monkeypatch.setattr(varlen_plan, "SEPARATE_RESUMED_MAX", 3 if request.param == "rerun" else -1)
-    monkeypatch.setattr(varlen_plan, "ROWS_MAX_PADDING", 0.0 if request.param == "correction" else float("inf"))
+    """How the resumed sequences that the packed call cannot start from their state are grouped
+    (``varlen_plan.RowGroup``): "singles" (each one its own call on its own tokens; the conv recomputes their
+    first outputs in place), "rows" (all as the padded rows of one call; the conv's extended buffer) or "groups"
+    (the shipped limits). Returns the list of SSD forward calls' batch-row lengths, to check what ran."""
+    if request.param != "groups":
+        singles = request.param == "singles"
+        monkeypatch.setattr(varlen_plan, "ROWS_MAX_PADDING", 0.0 if singles else float("inf"))
+        monkeypatch.setattr(varlen_plan, "ROWS_MAX_CHUNKS", 1 << 30)
+        monkeypatch.setattr(varlen_plan, "CONV_RECOMPUTE_MAX", 1 << 30 if singles else -1)
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
     calls, real = [], ns.ssd_fwd
 
@@ -67,6 +68,11 @@ def resume_path(request, kern, monkeypatch):
 
     monkeypatch.setattr(ns, "ssd_fwd", counting)
     return SimpleNamespace(name=request.param, calls=calls)
+
+
+def group_calls(plan, lengths) -> list:
+    """The batch-row length of each row group's call of ``plan``: its padded length, or a lone sequence's own."""
+    return [g.rows.L if g.rows is not None else lengths[g.seqs[0]] for g in plan.groups]
 
 
 def record_chunk_state_varlen(kern, monkeypatch):

@@ -7,20 +7,19 @@ import torch
 
 from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
 from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, case, cu_of, flags_of, gen, garbage_states,
-                          record_chunk_state_varlen, rnd, ssd_inputs, tol)
+                          group_calls, record_chunk_state_varlen, rnd, ssd_inputs, tol)
 from fakes import FAKE_KERNELS
 from vllm_mamba2_plugin.kernels import cuda as ck
 from vllm_mamba2_plugin.kernels import reference as ref
-from vllm_mamba2_plugin.kernels.cuda import upstream
+from vllm_mamba2_plugin.kernels.cuda import upstream, varlen_plan
 
 
 @pytest.mark.parametrize("first", ["leads", "fresh"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(SSD_CASES))
 def test_ssd_varlen_initial_states(kern, name, dtype, first, resume_path):
-    """Several resumed sequences among fresh ones, under each path for them. A resumed first sequence leads
-    unless all of them fit as rows: the packed call starts it from its state, and only the others take the path
-    ("fresh": all of them do)."""
+    """Several resumed sequences among fresh ones, in every grouping. A resumed first sequence takes the packed
+    call's own initial state ("leads"), the others go as row groups ("fresh": all of them do)."""
     c = case(kern, name)
     cs = c.cs
     lens = [cs + 1, 1, 3 * cs + 5, max(1, cs - 1), cs]  # 1, chunk-1, chunk, chunk+1, 3*chunk+5, shuffled
@@ -42,13 +41,14 @@ def test_ssd_varlen_initial_states(kern, name, dtype, first, resume_path):
             a, b = int(cu[s]), int(cu[s + 1])
             assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
             assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s}")
-    # one packed call per wrapper call, plus (rerun) one per resumed sequence but a leading one, of exactly its
+    # one packed call per wrapper call, plus (singles) one per resumed sequence but a leading one, of exactly its
     # length, or (rows) one of rows as long as the longest of them, rounded up to 16
     resumed = [n for n, f in zip(lens, flags) if f]
-    if first == "leads" and resume_path.name != "rows":  # rows that fit take every resumed sequence: none leads
+    if first == "leads":
         resumed = resumed[1:]
-    rows = [-(-max(resumed) // 16) * 16]
-    per_call = [sum(lens)] + {"rerun": resumed, "rows": rows, "correction": []}[resume_path.name]
+    per_call = [sum(lens)] + {"singles": sorted(resumed, reverse=True), "rows": [-(-max(resumed) // 16) * 16],
+                              "groups": group_calls(plan, lens)}[resume_path.name]
+    assert group_calls(plan, lens) == per_call[1:]
     assert resume_path.calls == per_call * 2, resume_path.calls
 
 
@@ -367,9 +367,9 @@ def test_ssd_boundary_states_of_random_prefix_caching_steps(kern, seed, resume_p
 def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch):
     """A step of a serving mix, with the wrappers' own limits: a long prompt continued from a block boundary
     opens the block, then four cache hits' suffixes and two fresh prompts, each crossing block boundaries. All
-    resumed ones as rows would pad too much, so the continued prompt leads (the packed call starts it from its
-    state and gives its boundary states) and the hits go as rows of one more call: two SSD calls, one
-    chunk_state_varlen, no second pass. Against the reference."""
+    continued prompt takes the packed call's own initial state (which also gives its boundary states) and the
+    hits go as the rows of one more call, longest first: two SSD calls, one chunk_state_varlen, no second pass.
+    Against the reference."""
     c = case(kern, name)
     cs = c.cs
     calls, varlen = _count_calls(kern, monkeypatch)
@@ -379,25 +379,30 @@ def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch)
     offsets = [[cs * k for k in range(1, 6)]] + [[cs] if n >= cs else [] for n in hits] + [[cs, 2 * cs], [cs]]
     cu = torch.tensor([0] + lens).cumsum(0)
     plan = ck.plan_prefill(cu, torch.tensor(flags), sum(lens), cs, 4, kern.dev)
-    assert plan.lead and plan.others == [1, 2, 3, 4] and plan.resume_path(True) == "rows"
+    assert plan.first_native and plan.path is varlen_plan.ResumePath.ROWS
+    assert [g.seqs for g in plan.groups] == [[3, 1, 2, 4]]
     _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed=41)
     assert calls == [(1, sum(lens)), (4, -(-max(hits) // 16) * 16)], calls
     assert len(varlen) == 1
 
 
-def test_boundary_plan_is_built_once_per_step():
-    """Every layer of a step asks for the boundary plan with the same offsets list: the second ask returns the
-    first plan (it uploads index tensors); other flags build another."""
-    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
-
-    cs, lens = 16, [2 * 16 + 5, 16 + 4, 3]
-    cu = torch.tensor([0] + lens).cumsum(0)
-    plan = varlen_plan.build_plan(cu, torch.tensor([True, False, False]), True, sum(lens), cs)
+def test_boundary_plans_are_built_with_the_step_plan(kern):
+    """plan_prefill given the step's boundary offsets plans their states with the step (the metadata builder's
+    call); every layer's conv and scan with that offsets list use those plans and build nothing more."""
+    c = case(kern, "tiny-g2")
+    cs, lens, flags = c.cs, [2 * c.cs + 5, c.cs + 4, 3], [True, False, False]
     offsets = [[5, cs + 5], [cs], []]
-    first = varlen_plan.boundary_plan(plan, offsets, cs, True)
+    x, dt, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=3)
+    h0 = garbage_states(gen(4), (len(lens), c.H, c.P, c.N), flags, kern.dev)
+    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev, boundary_offsets=offsets)
+    first, conv_rows = plan.boundary, plan.conv_boundary[3]
     assert first.pairs is not None  # the fresh prompt's boundary, from the packed call
-    assert varlen_plan.boundary_plan(plan, offsets, cs, True) is first
-    assert varlen_plan.boundary_plan(plan, offsets, cs, False) is not first
+    xbc = torch.randn(sum(lens), 8, device=kern.dev)
+    for _ in range(2):  # two layers
+        ck.conv_states_at(xbc, cu, 4, offsets, torch.zeros(len(lens), 3, 8, device=kern.dev), hi, plan=plan)
+        ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D, plan=plan, boundary_offsets=offsets)
+    assert plan.boundary is first and plan.conv_boundary[3] is conv_rows
 
 
 def test_packed_pairs_ask_for_each_boundary_from_its_own_chunk_state():
@@ -406,13 +411,11 @@ def test_packed_pairs_ask_for_each_boundary_from_its_own_chunk_state():
     before the boundary's chunk (its passed state is the prompt's own), the prompt's start when it began at that
     chunk's start. The discarded pairs in between (end_k, start_k+1) end at positions >= 1 and span one token
     each, but before a prompt that starts on a chunk start."""
-    from vllm_mamba2_plugin.kernels.cuda import varlen_plan
-
     cs, lens = 16, [37, 55, 20, 20, 10]
     cu = torch.tensor([0] + lens).cumsum(0)
     plan = varlen_plan.build_plan(cu, torch.tensor([False] * 5), False, sum(lens), cs)
     offsets = [[16, 32], [16, 32, 48], [16], [16], [10]]  # the last prompt's offset is its end: its final state
-    packed, pairs = varlen_plan._packed_pairs(plan, offsets, cs, False, False)
+    packed, pairs = varlen_plan._packed_pairs(plan, offsets, cs, set())
     assert pairs == [-1, 16, 1, 32, 33, 53, 49, 69, 65, 85, 81, 108, 112, 128]
     assert packed == {(0, 16): 0, (0, 32): 1, (1, 16): 2, (1, 32): 3, (1, 48): 4, (2, 16): 5, (3, 16): 6}
     spans = [e - (e - 1) // cs * cs for e in pairs[2::2]]  # tokens the kernel loops over for each odd pair

@@ -129,14 +129,17 @@ def test_fast_launch_that_never_engages_warns_once(monkeypatch, caplog):
     assert (fast.fast, fast.misses) == (3, 3) and not caplog.records
 
 
-def test_install_warns_on_a_triton_outside_the_verified_range(fake_mamba, monkeypatch, caplog):
+def test_install_leaves_the_launch_patches_off_outside_the_verified_range(fake_mamba, monkeypatch, caplog):
+    """Inside TESTED_TRITON the call sites get FastLaunch / FastHeuristics; outside it they keep (or get back)
+    Triton's own objects, with one warning."""
     monkeypatch.setattr(tl, "_deterministic_pins_configs", lambda: False)
-    for version, warns in (("3.6.0", False), ("3.9.1", False), ("3.10.0", True), ("3.5.0", True)):
+    for version, patched in (("3.6.0", True), ("3.10.0", False), ("3.9.1", True), ("3.5.0", False)):
         monkeypatch.setattr(triton, "__version__", version)
         caplog.clear()
         with caplog.at_level("WARNING"):
-            tl.install()
-        assert any("outside the range" in r.getMessage() for r in caplog.records) == warns, version
+            out = tl.install()
+        assert out and all(isinstance(o, (tl.FastLaunch, tl.FastHeuristics)) == patched for o in out.values()), version
+        assert any("outside the range" in r.getMessage() for r in caplog.records) != patched, version
 
 
 def make_heuristics_stack():

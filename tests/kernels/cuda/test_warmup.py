@@ -17,30 +17,33 @@ from vllm_mamba2_plugin.kernels import reference as ref
 from vllm_mamba2_plugin.kernels.cuda import decode_step, upstream, varlen_plan, warmup
 
 
-def _expected_ssd_calls(layouts, max_rerun):
+def _expected_ssd_calls(layouts, cs):
     """(batch-row length, given an initial state) of each SSD forward call the prefill wrappers make for these
-    layouts (cuda.ssd_chunk_scan's dispatch): every sequence resumes and fits as rows of one call (padded to the
-    longest rounded up to 16, at most twice their tokens and 15 chunks; here the warm-up's lengths are all far
-    below): that call alone. Otherwise a resumed first sequence rides the packed call's own initial state, and
-    the other resumed sequences, up to max_rerun, are rerun alone; more go as rows of one call, or take the
-    batched correction (no more calls)."""
-    def rows_of(ns):  # the padded row length of these sequences as rows of one call, None where they do not fit
-        L = -(-max(ns) // 16) * 16
-        return L if len(ns) > max_rerun and len(ns) * L <= 2 * sum(ns) else None
+    layouts (cuda.ssd_chunk_scan's dispatch): the packed call, in which a resumed first sequence rides the call's
+    own initial state, then the row groups of the other resumed sequences (all of them, and no packed call, when
+    every sequence resumes): longest first, a group takes the next one while its rows, padded to the longest
+    rounded up to 16, stay within twice their tokens (each counted as at least 16) and 15 chunks; a group of one
+    is called on its own tokens, more as padded rows."""
+    def group_calls(ns):
+        groups = []
+        for n in sorted(ns, reverse=True):
+            if groups:
+                L, group = -(-groups[-1][0] // 16) * 16, groups[-1] + [n]
+                if len(group) * L <= 2 * sum(max(m, 16) for m in group) and L <= 15 * cs:
+                    groups[-1] = group
+                    continue
+            groups.append([n])
+        return [(g[0] if len(g) == 1 else -(-g[0] // 16) * 16, True) for g in groups]
 
     calls = []
     for lengths, resumed in layouts:
         idx = [i for i, r in enumerate(resumed) if r]
-        if len(idx) == len(lengths) and rows_of(lengths):
-            calls.append((rows_of(lengths), True))
+        if len(idx) == len(lengths):
+            calls += group_calls(lengths)
             continue
         lead = bool(idx) and idx[0] == 0
         calls.append((sum(lengths), lead))
-        others = [lengths[i] for i in (idx[1:] if lead else idx)]
-        if others and len(others) <= max_rerun:
-            calls += [(n, True) for n in others]
-        elif others and rows_of(others):
-            calls.append((rows_of(others), True))
+        calls += group_calls([lengths[i] for i in (idx[1:] if lead else idx)])
     return calls
 
 
@@ -86,16 +89,16 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     projected = torch.zeros(profile_tokens, layer.projection_width, device=kern.dev, dtype=dtype)
 
     warmup.warm_prefill(layer, projected)
-    layouts = warmup.prefill_layouts(cs, varlen_plan.SEPARATE_RESUMED_MAX, profile_tokens)
+    layouts = warmup.prefill_layouts(cs, profile_tokens)
     assert all(sum(lengths) <= max(profile_tokens, 4 * cs) for lengths, _ in layouts)  # small ones, or within budget
-    assert calls == _expected_ssd_calls(layouts, varlen_plan.SEPARATE_RESUMED_MAX)
-    # The first call of each SSD call signature (packed without / with an initial state; a rerun: no seq_idx)
-    # packs the whole budget: the autotuners decide on it. (Packed calls carry seq_idx, reruns do not.)
+    assert calls == _expected_ssd_calls(layouts, cs)
+    # The first call of each SSD call signature (packed without / with an initial state; a group of one: no
+    # seq_idx) packs the whole budget: the autotuners decide on it. (Packed calls carry seq_idx, groups do not.)
     T = profile_tokens
     first = [(T, False), (T, True), (T, False), (T - 1, True)] if T > 2 * cs else []
     assert calls[:len(first)] == first
     if first:
-        assert layouts[2][1] == [False, True]  # the rerun's call: a resumed sequence that is not the first
+        assert layouts[2][1] == [False, True]  # a group of one: a resumed sequence that is not the first
     # every (chunk-count class, length mod 16, path) of the first four paths, as a step can produce them
     multi_chunk = profile_tokens > cs  # a call can span chunks (a rows call: up to the budget rounded up to 16)
     chunk_classes = {"1"} | ({"other"} if multi_chunk else set()) | ({"16"} if profile_tokens >= 15 * cs + 32 else set())
@@ -111,9 +114,9 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
                for lengths, resumed in layouts) == multi_chunk  # a resumed first sequence ending on a boundary
     assert ([1], [False]) in layouts and ([1], [True]) in layouts
     assert any(min(lengths) < W - 1 and not any(resumed) for lengths, resumed in layouts)  # extended conv buffer
-    rerun = [r for r in calls if r[1]]
-    assert ({37, 48, 1} if multi_chunk else {5, 16, 1}) <= {t for t, _ in rerun}  # reruns
-    assert ([1] * 4 + [20], [True] * 5) in layouts  # the batched correction: padding 32 x 5 rows for 24 tokens
+    singles = [r for r in calls if r[1]]
+    assert ({37, 48, 1} if multi_chunk else {5, 16, 1}) <= {t for t, _ in singles}  # groups of one
+    assert any(not all(resumed) and sum(resumed) >= 2 for _, resumed in layouts)  # padded rows after a packed call
     rows = {(len(lengths), -(-max(lengths) // cs)) for lengths, resumed in layouts if sum(resumed) > 3}
     want = {(n, c) for n, c in ((4, 1), (16, 1), (4, 2), (16, 2)) if n // 2 * ((c - 1) * cs + 16) + n // 2 <= T}
     assert want <= rows  # rows calls of 4 and 16 rows (Triton classes), one and two chunks, where the budget allows
@@ -131,9 +134,8 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
 def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, profile_tokens, monkeypatch):
     """With prefix caching the warm-up also runs the boundary-state calls (``warmup.boundary_layouts``): the packed
     call (length in Triton's classes, from zeros and with a first initial state) and chunk_state_varlen over its
-    results; under the batched correction, a resumed sequence's second pass up to its last boundary, without
-    seq_idx, from its state, at chunk counts 1, 2 and (budget allowing) 16, and the padded rows of several resumed
-    sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching
+    results; a resumed sequence's row group of one (without seq_idx, from its state) at chunk counts 1, 2 and
+    (budget allowing) 16, and the padded rows of several resumed sequences (2 and 16 rows, budget allowing). Every boundary state goes to its own slot; without prefix caching
     none of it runs."""
     from vllm_mamba2_plugin import mixer as mixer_mod
 
@@ -174,13 +176,13 @@ def test_prefill_warmup_with_prefix_caching_runs_the_boundary_state_calls(kern, 
                 assert (1, T, False, False) in extra and (1, T, False, True) in extra  # the packed call
     assert varlen and set(varlen) == {4}  # two inner boundaries per packed layout: two (start, end) pairs
     for c in (1, 2, 16):
-        if c * cs + 19 <= profile_tokens:
-            assert (1, c * cs, True, True) in extra  # a resumed sequence's second pass (under the correction)
+        if c * cs + 17 <= profile_tokens:
+            assert (1, c * cs + 16, True, True) in extra  # a resumed sequence's group of one
     for n in (2, 16):
         for c in (1, 2):
-            if n * (c * cs + 16) + n + 1 <= profile_tokens:
-                assert (n, c * cs, True, True) in extra  # padded rows from the sequences' states
-    assert (16, cs, True, True) in extra or profile_tokens < 16 * (cs + 16) + 17
+            if n * (c * cs + 16) + 1 <= profile_tokens:
+                assert (n, c * cs + 16, True, True) in extra  # padded rows from the sequences' states
+    assert (16, cs + 16, True, True) in extra or profile_tokens < 16 * (cs + 16) + 1
     layouts = warmup.boundary_layouts(cs, profile_tokens)
     assert all(o % cs == 0 and o <= n for lengths, _, offsets in layouts for n, offs in zip(lengths, offsets)
                for o in offs)
@@ -257,7 +259,7 @@ def test_warmups_leave_nothing_to_compile_for_chunked_prefill_steps(H, caching, 
              (16, [512] * 15 + [496], [False] * 16), (33, [16] + [512] * 15 + [15], [True] + [False] * 16),
              (0, [64 + 7 * i for i in range(30)], [True] * 30),  # prefix-cache hits: many resumed suffixes
              (40, [100 + 5 * i for i in range(16)] + [512], [True] * 16 + [False]),
-             (8, [200] * 5 + [1] * 40, [True] * 45)]  # padding too much for rows: the correction
+             (8, [200] * 5 + [1] * 40, [True] * 45)]  # long and 1-token resumed ones: two row groups
     steps += _chunked_prefill_steps(random.Random(0), budget, 40)
     if caching:  # a cache miss's fresh prompts, a hit whose suffix crosses a boundary, a long prompt's chunk
         steps += [(0, [1536, 2304, 2304, 2048], [True, False, False, False]), (0, [2049], [False]),

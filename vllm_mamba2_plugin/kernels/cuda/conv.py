@@ -29,7 +29,7 @@ import torch
 from .. import reference
 from ..reference import select_initial
 from . import upstream
-from .varlen_plan import VarlenPlan, build_plan, conv_boundary_rows, conv_plan
+from .varlen_plan import ResumePath, VarlenPlan, add_boundaries, build_plan, conv_plan
 
 
 def causal_conv1d(
@@ -50,7 +50,7 @@ def causal_conv1d(
 
     Two layouts, both ONE causal-conv1d launch with seq_idx: in place (``_in_place``) when every sequence has
     >= W-1 tokens, there is no padding, x's rows are 16-byte aligned with a row stride that is a multiple of 8,
-    and at most ``SEPARATE_RESUMED_MAX`` sequences resume a state; otherwise the extended buffer
+    and at most ``CONV_RECOMPUTE_MAX`` sequences resume a state; otherwise the extended buffer
     (``_extended``). The row indices come from ``plan`` (``plan_prefill``, built once per step: no host sync);
     None builds one here from cu_seqlens and has_initial_state (a sync for device tensors). (Unlike the
     reference, a cu_seqlens not starting at 0 is not detected here.)
@@ -91,13 +91,15 @@ def conv_states_at(
     plan: Optional[VarlenPlan] = None,
 ) -> torch.Tensor:
     """Prefix caching's conv states at block boundaries (contract: reference.conv_states_at): a gather of x's rows
-    indexed from the step's plan (``varlen_plan.conv_boundary_rows``), and of initial-state rows for an offset
+    indexed from the step's plan (``varlen_plan.ConvBoundaryRows``), and of initial-state rows for an offset
     closer than K tokens to its sequence's start in the step. Without a plan, the reference (it reads cu_seqlens
     on the host: a sync per layer). returns (M, W-1, D) in x.dtype."""
     if plan is None:
         return reference.conv_states_at(x, cu_seqlens, width, boundary_offsets, initial_states, has_initial_state)
     K, Dm = width - 1, x.shape[-1]
-    rows = conv_boundary_rows(plan, boundary_offsets, K)
+    if plan.boundary_offsets is not boundary_offsets:
+        add_boundaries(plan, boundary_offsets)  # a plan built without the step's offsets
+    rows = plan.conv_boundary[K]
     out = x.index_select(0, rows.x_rows)
     if rows.pick is not None:
         init = select_initial(initial_states, has_initial_state, (plan.S, K, Dm), x.dtype, x.device)
@@ -115,7 +117,7 @@ def _in_place(x, weight, bias, plan: VarlenPlan, initial_states, silu: bool):
     inputs (>= K tokens each, so never the saved state)."""
     T, Dm = x.shape
     K = weight.shape[-1] - 1
-    native = plan.native_first(initial_states is not None)
+    native = initial_states is not None and plan.path is ResumePath.NATIVE
     init0 = initial_states[0].to(x.dtype).t().unsqueeze(0) if native else None  # (1, D, K), unit channel stride
     y = _conv_fwd(x.t().unsqueeze(0), weight, bias, plan.seq_idx_row, silu, init0)[0].t()
     for s in [] if native or initial_states is None else plan.resumed:

@@ -11,38 +11,32 @@ previous token's (ssd_chunk_scan.py:98-113). Per-sequence final states of a pack
 requires batch == 1 (ssd_combined.py:390). One call per resumed sequence would work, but costs 5 Triton
 launches each, and vLLM's runner can send many one-token rows that carry state.
 
-**The paths** (``ssd_chunk_scan`` -> ``_scan``), all but one (path 5 when every sequence resumes) starting from
-ONE packed call of every non-empty sequence, with seq_idx:
+**The calls** (``ssd_chunk_scan`` -> ``_scan``; ``varlen_plan.ResumePath``, decided once per step by the plan):
 
-1. Final states. When every sequence but the last ends on a chunk boundary (one sequence always does), they are
-   the states that state passing hands from chunk to chunk: no ``chunk_state_varlen`` launch (``_packed_call``).
-   Otherwise cu_seqlens asks for them (``chunk_state_varlen``, one more autotuned launch).
-2. Nobody resumes a state: done.
-3. A resumed sequence that opens the batch (vLLM's runner orders a step's rows decode, short extend, long
+1. ONE packed call of every non-empty sequence, with seq_idx (``_packed_call``). Final states: when every
+   sequence but the last ends on a chunk boundary (one sequence always does), they are the states that state
+   passing hands from chunk to chunk: no ``chunk_state_varlen`` launch. Otherwise cu_seqlens asks for them
+   (``chunk_state_varlen``, one more autotuned launch). Nobody resumes a state (NONE): done.
+2. A resumed sequence that opens the batch (vLLM's runner orders a step's rows decode, short extend, long
    extend, fresh prompt, so the chunk that continues a cut prompt comes first) starts from its state as the
-   packed call's ``initial_states``: alone ("native"), or leading other resumed sequences (``VarlenPlan.lead``),
-   which paths 4-6 then compute (``VarlenPlan.others``; a long continued prompt among cache hits would otherwise
-   pad their rows too much). One upstream gap is patched: ``chunk_state_varlen`` adds the state entering a
-   sequence's last chunk only if the sequence started before that chunk (ssd_chunk_state.py:700-706), so a first
-   sequence ending in chunk 0 gets its final state without the h0 term; ``_patch_first_final`` adds
-   exp(dA_cumsum[its last token]) h0 (the kernel's own in-chunk cumsum).
-4. Up to ``varlen_plan.SEPARATE_RESUMED_MAX`` others: each is rerun alone as one batch row whose initial state
-   the kernel takes natively, and its rows and final state overwritten (``_rerun_resumed``): fewer host launches
-   than the correction, and prefill steps are host-bound.
-5. More (prefix-cache hits resume a suffix per request): all of them as the rows of ONE more call, each row
-   from its own initial state, padded at its end with tokens of processed dt 0, which leave a state unchanged
-   (``_resumed_rows``, ``varlen_plan.ResumedRowsPlan``; the rows call takes processed step sizes, so a positive
-   lower dt limit cannot reach the padding), while the padding stays within
-   ``varlen_plan.ROWS_MAX_PADDING`` times their tokens. When every sequence of
-   the step resumes (a step of cache hits) and fits as rows, that call is the only one: no packed call.
-6. Otherwise: the exact correction (``add_initial_state``). SSD is linear in h0, so
-       y_t += C_t · (exp(sum_{k=start..t} dt_k A) h0)        final += exp(sum_{k in seq} dt_k A) h0,
-   in float32 for the others only, from the step sizes the kernel itself computed: ~40 small launches and
-   (tokens, H, P) float32 temporaries per layer.
-7. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
+   packed call's ``initial_states`` (NATIVE when it is the only one). One upstream gap is patched:
+   ``chunk_state_varlen`` adds the state entering a sequence's last chunk only if the sequence started before
+   that chunk (ssd_chunk_state.py:700-706), so a first sequence ending in chunk 0 gets its final state without
+   the h0 term; ``_patch_first_final`` adds exp(dA_cumsum[its last token]) h0 (the kernel's own in-chunk cumsum).
+3. Every other resumed sequence (ROWS) goes as a batch row of one more call, from its own initial state: the
+   kernels' native form (``_row_groups``, ``varlen_plan.RowGroup``). Rows of one call are padded at their end
+   to the longest with tokens of processed step size 0, which leave a state unchanged; sequences whose lengths
+   differ too much take separate calls, a lone one on its own tokens. Their rows of out and their final states
+   replace the packed call's. When every sequence of the step resumes (a step of cache hits), the groups are
+   the whole step: no packed call.
+4. Empty sequences never reach the kernel (``chunk_state_varlen`` would compute (end-1)//chunk for an empty
    sequence at position 0, ssd_chunk_state.py:661-675); they keep their selected initial state.
 
-Final states come in C's dtype from the kernel's varlen states (float32 from a rerun's row): with bf16
+Why these and no others: each resumed sequence starts from its state in the upstream kernels' own form, exact,
+and a step makes 1-3 SSD calls. Forcing every alternative through the served steps of the 2.7b and
+3072-48 shapes (benchmarks/resume_paths.sh, RESULTS.md "Resume paths") showed none winning more than 5 %.
+
+Final states come in C's dtype from the kernel's varlen states (float32 from a row group's call): with bf16
 activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding of its state
 per step. With dt_bias the kernel's first pass applies softplus(dt + dt_bias) and the limit
 (ssd_chunk_state.py:72-81): no separate dt kernels. Host sync: none with the step's plan (``plan_prefill``,
@@ -58,16 +52,7 @@ import torch
 from .. import reference
 from ..reference import row_range, select_initial
 from . import upstream
-from .varlen_plan import (
-    BoundaryPlan,
-    BoundaryRowsPlan,
-    InitCorrectionPlan,
-    PaddedRows,
-    VarlenPlan,
-    boundary_plan,
-    boundary_rows,
-    build_plan,
-)
+from .varlen_plan import BoundaryPlan, BoundaryRowsPlan, PaddedRows, ResumePath, VarlenPlan, add_boundaries, build_plan
 
 
 def plan_prefill(
@@ -77,10 +62,15 @@ def plan_prefill(
     chunk_size: int,
     conv_width: int,
     device: torch.device,
+    boundary_offsets: Optional[list] = None,
 ) -> VarlenPlan:
     """The index plan of one step's prefill block, shared by every layer (see ``varlen_plan``): pass host
-    tensors; the result lives on ``device`` after one non-blocking copy. The reference kernels need none."""
-    return build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device)
+    tensors; the result lives on ``device`` after one non-blocking copy (two with boundary_offsets, prefix
+    caching's: ``varlen_plan.add_boundaries``). The reference kernels need none."""
+    plan = build_plan(cu_seqlens_cpu, has_initial_state_cpu, True, num_tokens, chunk_size, (conv_width,), device)
+    if boundary_offsets is not None:
+        add_boundaries(plan, boundary_offsets)
+    return plan
 
 
 def ssd_chunk_scan(
@@ -108,7 +98,7 @@ def ssd_chunk_scan(
     initial_states: (S, H, P, N) or None  has_initial_state: (S,) bool or None (CPU or device)  D: (H,)|(H, P)
     plan: ``plan_prefill`` of the same bounds (the mixer's path: no host sync); None builds one here, which
     costs a sync for device bounds. A plan's flags take the place of has_initial_state's values for the
-    correction; has_initial_state still selects the returned states of empty sequences.
+    calls; has_initial_state still selects the returned states of empty sequences.
     returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
     kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
     boundary_offsets: prefix caching's block boundaries (contract: reference); then also the (M, H, P, N) states
@@ -128,70 +118,54 @@ def ssd_chunk_scan(
                                                          state_dtype, dev)
         no_states = x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
         return result if boundary_offsets is None else (*result, no_states)
+    if plan.path is not ResumePath.NONE and initial_states is None:
+        raise ValueError("the VarlenPlan has resumed sequences: pass their initial_states")
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
-    bp = None if boundary_offsets is None else boundary_plan(plan, boundary_offsets, chunk_size,
-                                                             initial_states is not None)
+    if boundary_offsets is not None and plan.boundary_offsets is not boundary_offsets:
+        add_boundaries(plan, boundary_offsets)  # a plan built without the step's offsets
     out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
-    if bp is None:
+    if boundary_offsets is None:
         return result
-    return (*result, _boundary_states(fwd, plan, bp, calls, result[1], initial_states, state_dtype, (H, P, N)))
+    return (*result, _boundary_states(fwd, plan, plan.boundary, calls, result[1], initial_states, state_dtype,
+                                      (H, P, N)))
 
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
-    """Paths 1-6 of the module doc (``VarlenPlan.resume_path``): (out (Tu, H, P) in x's dtype, final states
+    """The packed call and the row groups (``VarlenPlan.path``): (out (Tu, H, P) in x's dtype, final states
     (S', H, P, N) of the non-empty sequences, in C's dtype or float32, ``_Calls``: the ``SsdResult``s of the calls
     made, whose passed states give prefix caching's boundary states)."""
-    has = initial_states is not None
-    path = plan.resume_path(has)
     calls = _Calls()
-    if path == "rows" and plan.rows_cover_all:  # every sequence resumes: the rows call alone
-        out, fin_k = _resumed_rows(fwd, None, None, plan, initial_states, calls)
-        return out, fin_k, calls
-    first = plan.first_takes_state(has)
-    out, fin_k, res = _packed_call(fwd, plan, initial_states if first else None, state_dtype)
-    calls.packed = res
-    if first:
-        fin_k = _patch_first_final(fin_k, res, plan, initial_states, fwd.chunk_size, state_dtype)
-    if path in ("native", "none"):
-        return out, fin_k, calls
-    if path == "rerun":
-        return (*_rerun_resumed(fwd, out, fin_k, plan, initial_states, calls), calls)
-    if path == "rows":
-        return (*_resumed_rows(fwd, out, fin_k, plan, initial_states, calls), calls)
-    lo, hi = plan.cu[0], plan.cu[-1]
-    H = fwd.x.shape[1]
-    dt_ht = res.dt[0].reshape(H, -1)[:, : hi - lo]  # (H, Tu): the kernel's processed step sizes
-    fin_k = fin_k.to(torch.float32)
-    out = add_initial_state(out, fin_k, dt_ht, fwd.A, fwd.C[lo:hi], plan.init,
-                            initial_states[plan.init.rows].to(torch.float32))
-    return out.to(fwd.x.dtype), fin_k, calls
+    out = fin_k = None
+    if plan.packed_call:
+        first = initial_states if plan.first_native else None
+        out, fin_k, calls.packed = _packed_call(fwd, plan, first, state_dtype)
+        if plan.first_native:
+            fin_k = _patch_first_final(fin_k, calls.packed, plan, initial_states, fwd.chunk_size, state_dtype)
+    if plan.groups:
+        out, fin_k = _row_groups(fwd, out, fin_k, plan, initial_states, calls)
+    return out, fin_k, calls
 
 
 class _Calls:
-    """The ``SsdResult``s of a scan's calls: the packed call, the resumed rows' call, each
-    resumed sequence's rerun (by sequence)."""
+    """The ``SsdResult``s of a scan's calls: the packed call, and each row group's call (in group order)."""
 
     def __init__(self):
-        self.packed, self.rows, self.rerun = None, None, {}
+        self.packed, self.groups = None, []
 
 
 def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls: _Calls, finals, initial_states,
                      state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
     sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call (``_packed_states_at``), the passed states
-    (``states``, in C's dtype) of the resumed rows' call and the reruns, the final states (finals: (S, H, P, N) in
+    (``states``, in C's dtype) of the row groups' calls, the final states (finals: (S, H, P, N) in
     state_dtype) and a second pass for the rest. (M, H, P, N) in state_dtype."""
     H, P, N = hpn
     parts = []
     if bp.pairs is not None:
         parts.append(_packed_states_at(fwd, plan, calls.packed, bp.pairs).to(state_dtype))
-    if bp.rows.numel():
-        if calls.rows is None:
-            raise AssertionError("boundary states planned from a call that did not run")
-        parts.append(calls.rows.states.reshape(-1, H, P, N).index_select(0, bp.rows).to(state_dtype))
-    for s, idx in bp.rerun.items():
-        parts.append(calls.rerun[s].states[0].index_select(0, idx).to(state_dtype))
+    for g, idx in bp.groups.items():
+        parts.append(calls.groups[g].states.reshape(-1, H, P, N).index_select(0, idx).to(state_dtype))
     if bp.final.numel():
         parts.append(finals.index_select(0, bp.final))
     if bp.rest is not None:
@@ -224,14 +198,12 @@ def _second_pass(fwd: "_Forward", plan: VarlenPlan, initial_states, boundary_off
     initial state (the kernel's native form): its chunks then start at the sequence start, so the state after
     o tokens, o a multiple of the chunk, is the state entering chunk o / chunk (``states``, after state passing,
     in C's dtype), and after the last offset the row's final state (float32). Two or more such sequences go as
-    the rows of ONE call (``varlen_plan.boundary_rows``); otherwise, or when the padding would be too large, one
-    forward per sequence. An offset that is not a multiple of the chunk (a step that began inside a chunk) takes
-    a forward of its own, ending there. Only what the step's own calls do not give comes here
-    (``varlen_plan.BoundaryPlan``): inner boundaries of resumed sequences under the correction, or inside a
-    chunk."""
-    rows = boundary_rows(plan, boundary_offsets, fwd.chunk_size)
-    if rows is not None:
-        return _boundary_rows(fwd, rows, initial_states, state_dtype, hpn)
+    the rows of ONE call (``varlen_plan.BoundaryRowsPlan``); otherwise, or when the padding would be too large,
+    one forward per sequence. An offset that is not a multiple of the chunk (a step that began inside a chunk)
+    takes a forward of its own, ending there. Only what the step's own calls do not give comes here
+    (``varlen_plan.BoundaryPlan``): inner boundaries inside a chunk of a sequence of a row group."""
+    if plan.boundary_rows is not None:
+        return _boundary_rows(fwd, plan.boundary_rows, initial_states, state_dtype, hpn)
     cs, out = fwd.chunk_size, []
     for s, offs in enumerate(boundary_offsets):
         if not offs:
@@ -361,86 +333,33 @@ def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size:
     return fin_k
 
 
-def _rerun_resumed(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
-    """Path 4: each of ``plan.others`` again alone, from its initial state (the kernel's native form); its rows
-    of out and its final state are overwritten. Returns (out, float32 final states)."""
-    fin_k = fin_k.to(torch.float32)
+def _row_groups(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
+    """The row groups (``varlen_plan.RowGroup``): each one more call, every row from its own initial state (the
+    kernels' native form, one state per batch row); a group of one on its sequence's own tokens, more as padded
+    rows whose padding has a processed step size of 0 (``_Forward.gathered``): exp(0 * A) = 1 and dt * B * x = 0,
+    so it leaves the state as it is and a row's final state is its sequence's. Their rows of out and their final
+    states are overwritten; without a packed call (out and fin_k None: every sequence is in a group) the groups'
+    results are the whole. Returns (out, float32 final states)."""
+    x = fwd.x
     lo = plan.cu[0]
-    for s in plan.others:
-        a, b = plan.cu[s], plan.cu[s + 1]
-        r = calls.rerun[s] = fwd(a, b, initial_states=initial_states[s: s + 1])
-        out[a - lo: b - lo] = r.out[0]
-        fin_k[plan.nonempty.index(s)] = r.final_states[0]  # float32 (ssd_state_passing.py:208)
-    return out, fin_k
-
-
-def _resumed_rows(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
-    """Path 5: the resumed sequences as the rows of one more call, each from its own initial state (the kernels'
-    native form, one state per batch row), padded at the end to the longest (``ResumedRowsPlan``). A padding
-    token's processed step size is 0 (``_Forward.gathered``): exp(0 * A) = 1 and
-    dt * B * x = 0, so it leaves the state as it is and a row's final state is its sequence's. Their rows of out
-    and their final states are overwritten; when every sequence resumes there is no packed call (out and fin_k
-    None) and this call's results are the whole. Returns (out, float32 final states)."""
-    rp = plan.rows
-    h0 = initial_states if plan.all_resume and not plan.lead else initial_states.index_select(0, plan.init.rows)
-    res = calls.rows = fwd.padded(rp.rows, h0)
-    y = res.out.reshape(rp.rows.I * rp.rows.L, *res.out.shape[2:]).index_select(0, rp.real)
-    if out is None:  # every token is a resumed sequence's, in packed order; res.final_states is float32
-        return y, res.final_states  # (ssd_state_passing.py:208)
-    out = out.index_copy(0, rp.dst, y)
-    return out, fin_k.to(torch.float32).index_copy(0, plan.init.pos, res.final_states)
-
-
-def add_initial_state(
-    y: torch.Tensor,
-    fin: torch.Tensor,
-    dt_ht: torch.Tensor,
-    A: torch.Tensor,
-    C: torch.Tensor,
-    ip: InitCorrectionPlan,
-    h0: torch.Tensor,
-) -> torch.Tensor:
-    """Path 6: add the initial states' contribution to a zero-initial-state SSD result (exact: SSD is linear
-    in h0).
-
-    y: (Tu, H, P) outputs of the kernel (any float dtype); fin: (S', H, P, N) float32 final states, updated
-    in place; dt_ht: (H, Tu) float32 processed step sizes (the kernel's own, head-major); A: (H,);
-    C: (Tu, G, N); ip: the plan's blocks for the I sequences that carry a state; h0: (I, H, P, N) float32
-    their initial states. Returns y + correction (new float32 tensor).
-
-    With a(t) = exp(sum_{k=start..t} dt_k A) (inclusive: h_t includes step t's decay):
-        y_t += a(t) · (C_t · h0)     final += a(end-1) · h0.
-    The C_t · h0 contraction needs h0 per token; gathering it per token would cost T·H·P·N memory, so tokens
-    are grouped in blocks of <= ``ip.block`` tokens of one sequence (last block padded with a dummy token) and
-    each block is one small matmul against its sequence's h0: memory ~ (T_init/block + S_init)·H·P·N, the
-    same order as the kernel's own per-chunk state tensor.
-    """
-    Tu, H, P = y.shape
-    G, N = C.shape[-2], C.shape[-1]
-    R = H // G
-    I = h0.shape[0]
-
-    # Log-decays summed in float64 over the packed batch, then differenced at sequence starts: float32
-    # cumsums over thousands of tokens would lose ~1e-3 absolute in the exponent. Head-major (H, Tu), so
-    # the scan runs along the contiguous dim (torch's outer-dim scan kernel is slow in float64).
-    dA = dt_ht.to(torch.float64) * A.to(torch.float64)[:, None]  # (H, Tu)
-    csum = torch.cat([dA.new_zeros(H, 1), dA.cumsum(1)], dim=1)  # csum[:, i] = sum_{k<i}
-    decay_tok = torch.exp(csum[:, 1:] - csum[:, ip.tok_start]).to(torch.float32).t()  # (Tu, H) a(t)
-
-    total = torch.exp(csum[:, ip.end] - csum[:, ip.start]).to(torch.float32).t()  # (I, H)
-    fin[ip.pos] += total[:, :, None, None] * h0
-
-    tok, blk = ip.tok, ip.block
-    nb = tok.shape[0]
-    Cb = torch.cat([C.to(torch.float32), C.new_zeros(1, G, N, dtype=torch.float32)])[tok]  # (nb, blk, G, N)
-    ab = torch.cat([decay_tok, decay_tok.new_zeros(1, H)])[tok]  # (nb, blk, H)
-    hb = h0.reshape(I, G, R * P, N)[ip.b_seq]  # (nb, G, R*P, N)
-    corr = torch.matmul(Cb.permute(0, 2, 1, 3), hb.transpose(-1, -2))  # (nb, G, blk, R*P)
-    corr = corr.view(nb, G, blk, R, P).permute(0, 2, 1, 3, 4).reshape(nb, blk, H, P) * ab[..., None]
-
-    out = torch.cat([y.to(torch.float32), y.new_zeros(1, H, P, dtype=torch.float32)])
-    out.index_add_(0, tok.reshape(-1), corr.reshape(nb * blk, H, P))  # each real token appears once
-    return out[:Tu]
+    if out is None:
+        out = x.new_empty(plan.cu[-1] - lo, *x.shape[1:])
+        fin = x.new_empty(len(plan.nonempty), *initial_states.shape[1:], dtype=torch.float32)
+    else:
+        fin = fin_k.to(torch.float32)
+    for group in plan.groups:
+        if group.rows is None:
+            s = group.seqs[0]
+            a, b = plan.cu[s], plan.cu[s + 1]
+            res = fwd(a, b, initial_states=initial_states[s: s + 1])
+            out[a - lo: b - lo] = res.out[0]
+        else:
+            res = fwd.padded(group.rows, initial_states.index_select(0, group.seq_rows))
+            y = res.out.reshape(-1, *res.out.shape[2:]).index_select(0, group.real)
+            out.index_copy_(0, group.dst, y)
+        fin.index_copy_(0, group.pos, res.final_states)  # float32 (ssd_state_passing.py:208)
+        calls.groups.append(res)
+    return out, fin
 
 
 def _scatter(x, out, fin_k, plan: VarlenPlan, initial_states, has_initial_state, state_dtype):

@@ -8,7 +8,8 @@ VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH=0 (patch 3 off), VLLM_MAMBA2_PLUGIN_SSD_CONFIGS
 **Verified versions**: Triton 3.6.0 with mamba-ssm 2.3.2.post1 on the H200 (torch 2.11+cu130; the kernels'
 outputs are bit-identical through both launch paths: tests/kernels/cuda/test_triton_launch.py, gpu) and Triton
 3.9.0 on the CPU (the same tests against Triton's own ``Autotuner.run`` / ``Heuristics.run`` and ``JITFunction``
-source). The ``cuda`` extra pins ``triton<3.10``; ``install()`` warns on a Triton outside ``TESTED_TRITON``.
+source). The ``cuda`` extra pins ``triton<3.10``; on a Triton outside ``TESTED_TRITON`` ``install()`` leaves
+patches 1-3 off (and says so).
 Every patch checks what it reads of Triton and steps aside (Triton's own path, logged) where that differs, and
 ``FastLaunch`` / ``DirectLaunch`` warn if they never engage (``NEVER_ENGAGED_AFTER``): a changed key or
 protocol would otherwise only make prefill silently slower.
@@ -493,9 +494,9 @@ def install(fast_launch: bool = True, extra_configs: bool = True, direct_launch:
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
     if fast_launch and not TESTED_TRITON[0] <= version <= TESTED_TRITON[-1]:
         logger.warning("vllm_mamba2_plugin: Triton %s is outside the range its launch patches were verified in "
-                       "(%d.%d-%d.%d); each patch checks what it reads and steps aside where that differs. "
-                       "VLLM_MAMBA2_PLUGIN_FAST_LAUNCH=0 turns them off.", triton.__version__,
-                       *TESTED_TRITON[0], *TESTED_TRITON[-1])
+                       "(%d.%d-%d.%d): mamba-ssm's kernels launch through Triton's own path (slower prefill).",
+                       triton.__version__, *TESTED_TRITON[0], *TESTED_TRITON[-1])
+        fast_launch = False
     extend = extra_configs and not _deterministic_pins_configs()
     if extra_configs and not extend:
         logger.info("vllm_mamba2_plugin: mamba-ssm's deterministic mode pins one config per SSD kernel; "
@@ -514,8 +515,8 @@ def install(fast_launch: bool = True, extra_configs: bool = True, direct_launch:
                     continue
                 if kind is Autotuner and extend and _extend(target, name):
                     logger.debug("vllm_mamba2_plugin: %s tunes over %d configs", name, len(target.configs))
-                if fast_launch and not isinstance(obj, wrapper):
-                    obj = wrapper(target)
+                if fast_launch != isinstance(obj, wrapper):  # on: wrap Triton's object; off: put it back
+                    obj = wrapper(target) if fast_launch else target
                     setattr(mod, name, obj)
                 if isinstance(obj, wrapper):
                     jit_fn = obj.tuner.fn if wrapper is FastLaunch else obj.fn

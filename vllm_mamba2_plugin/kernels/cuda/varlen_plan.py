@@ -15,6 +15,7 @@ S' = the non-empty sequences.
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -22,18 +23,25 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-# At most this many resumed sequences in a step are rerun one by one (SSD scan and conv); more go as the batch
-# rows of one more SSD call (``ResumedRowsPlan``), or where that would pad too much, take the batched
-# initial-state correction. One rerun is ~6 kernel launches of host time, the rows call ~12, the correction ~40
-# small ones with float32 temporaries of (tokens, H, P). (A lone resumed sequence that opens the batch needs
-# none of them: ``VarlenPlan.native_first``.)
-SEPARATE_RESUMED_MAX = 3
-# The rows call pads every resumed sequence to L, the longest rounded up to 16 (one Triton specialisation of the
-# length), and is taken while its I * L tokens stay within ROWS_MAX_PADDING times the resumed sequences' own
-# tokens (prefix-cache hits resume many short suffixes in one step) and L within ROWS_MAX_CHUNKS chunks (so a
-# rows call never has a multiple of 16 chunks: the start-up warm-up compiles the classes it can have).
+# The in-place conv layout recomputes the first K outputs of at most this many resumed sequences from their
+# states (one small launch each); more take the extended buffer (``conv.causal_conv1d``).
+CONV_RECOMPUTE_MAX = 3
+# Resumed sequences that the packed call cannot start from their own state go as the batch rows of more SSD
+# calls (``RowGroup``), each row padded at its end to the group's longest, rounded up to 16 (one Triton
+# specialisation of the length). A group takes sequences, longest first, while its I * L tokens stay within
+# ROWS_MAX_PADDING times its sequences' tokens, each counted as at least 16, and L within ROWS_MAX_CHUNKS chunks
+# (so a rows call never has a multiple of 16 chunks: the start-up warm-up compiles the classes it can have); a
+# sequence that fits no group is a group of its own, called on its own tokens without padding.
 ROWS_MAX_PADDING = 2.0
 ROWS_MAX_CHUNKS = 15
+
+
+class ResumePath(enum.Enum):
+    """How ``ssd_prefill`` starts the step's resumed sequences from their states (decided once per plan)."""
+
+    NONE = "none"  # no non-empty sequence resumes a state (or no states are given)
+    NATIVE = "native"  # only the first one does: the packed call's own initial state
+    ROWS = "rows"  # others too: they go as row groups (the first, if it resumes, still takes the packed call's)
 
 
 @dataclass
@@ -57,20 +65,6 @@ class ConvPlan:
 
 
 @dataclass
-class InitCorrectionPlan:
-    """Token blocks of ``ssd_prefill.add_initial_state`` for the sequences that carry an initial state."""
-
-    block: int  # tokens per block (a power of two <= the SSD chunk size)
-    tok_start: torch.Tensor  # (Tu,) long: first token of each token's sequence (relative to cu[0])
-    start: torch.Tensor  # (I,) long: bounds of the I continuing sequences
-    end: torch.Tensor  # (I,) long
-    pos: torch.Tensor  # (I,) long: their index among the S' non-empty sequences
-    rows: torch.Tensor  # (I,) long: their index among all S sequences (rows of initial_states)
-    tok: torch.Tensor  # (nb, block) long: the tokens of each block, Tu (a zero dummy row) past the end
-    b_seq: torch.Tensor  # (nb,) long: the continuing sequence (0..I-1) of each block
-
-
-@dataclass
 class PaddedRows:
     """Sequences as the rows of one (I, L) SSD batch, each padded at its end to L: the longest, rounded up to 16
     (one Triton specialisation of the length).
@@ -86,14 +80,22 @@ class PaddedRows:
 
 
 @dataclass
-class ResumedRowsPlan:
-    """The I resumed sequences as padded rows (``rows``, each from its own state). real: (Tr,) long: the row
-    positions of the sequences' tokens, in packed order; dst: (Tr,) long: those tokens relative to cu[0] (rows of
-    the packed call's output)."""
+class RowGroup:
+    """Resumed sequences computed by one more SSD call, each as a batch row from its own state.
 
-    rows: PaddedRows
-    real: torch.Tensor
-    dst: torch.Tensor
+    seqs: their sequences, longest first (rows of initial_states), host; seq_rows: the same, (I,) long;
+    pos: (I,) long their index among the S' non-empty sequences (rows of the final states);
+    rows: ``PaddedRows`` of the call, with real: (Tr,) long the row positions of the sequences' tokens and dst:
+    (Tr,) long those tokens relative to cu[0]; rows None: one sequence, called on its own tokens;
+    nchunks: chunks per row of the call (its passed states are (I, nchunks, ...))."""
+
+    seqs: List[int]
+    seq_rows: torch.Tensor
+    pos: torch.Tensor
+    nchunks: int
+    rows: Optional[PaddedRows] = None
+    real: Optional[torch.Tensor] = None
+    dst: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -130,28 +132,26 @@ class BoundaryRowsPlan:
 @dataclass
 class BoundaryPlan:
     """Where prefix caching's boundary states of a step come from (``ssd_prefill._boundary_states``); built on
-    the host and uploaded once per step. Five sources, concatenated in this order, then put in the order of the
+    the host and uploaded with the plan. Four sources, concatenated in this order, then put in the order of the
     offsets (``order``):
 
     1. packed: the inner offsets (before the sequence's end) of the sequences the packed call computes from their
        true initial state (fresh ones; the first one when it takes the kernel's own initial state): ONE launch of
        mamba-ssm's ``chunk_state_varlen`` over the packed call's own tensors, asked for the states at ``pairs``
        (``_packed_pairs``), in offset order;
-    2. rows: (Mr,) long: states entering chunks of the call of resumed rows (``ResumedRowsPlan``; a row starts at
-       its sequence's start), as rows of its states flattened to (I * chunks, ...), for inner offsets that are
-       chunk multiples;
-    3. rerun: {sequence: (chunks,) long}: the same from the rerun of each resumed sequence, in sequence order;
-    4. final: (Mf,) long: sequences whose offset is their end: the final state, whatever path computed it;
-    5. rest: the other offsets (inner offsets of resumed sequences under the correction, or inside a chunk), per
+    2. groups: {group: (Mg,) long}: states entering chunks of a row group's call (``RowGroup``; a row starts at its
+       sequence's start), as rows of its states flattened to (I * nchunks, ...), for inner offsets that are chunk
+       multiples, in group order;
+    3. final: (Mf,) long: sequences whose offset is their end: the final state, whatever call computed it;
+    4. rest: the other offsets (inside a chunk of a resumed sequence: a step that began inside a block), per
        sequence, for a second pass over those sequences (``boundary_rows`` or one forward each); None if none.
 
     pairs: (2 Mp,) int32 (start, end) per state of source 1, relative to the packed call's first token, as
     ``chunk_state_varlen`` reads its cu_seqlens; None when source 1 is empty.
-    order: (M,) long: each offset's row in the concatenation of 1-5; None: already in order."""
+    order: (M,) long: each offset's row in the concatenation of 1-4; None: already in order."""
 
     pairs: Optional[torch.Tensor]
-    rows: torch.Tensor
-    rerun: Dict[int, torch.Tensor]
+    groups: Dict[int, torch.Tensor]
     final: torch.Tensor
     rest: Optional[List[List[int]]]
     order: Optional[torch.Tensor]
@@ -164,6 +164,7 @@ class VarlenPlan:
     init_flags: List[bool]  # (S) does sequence s start from a saved state
     T: int  # tokens in x (>= cu[S])
     nonempty: List[int]  # the S' non-empty sequences
+    chunk_size: int  # the SSD chunk the row groups and boundary plans are laid out for
     # device
     cu_k: torch.Tensor  # (S'+1,) int32 bounds of the non-empty sequences, relative to cu[0]
     seq_idx: torch.Tensor  # (Tu,) int32 id (0..S'-1) of each token's sequence
@@ -173,22 +174,21 @@ class VarlenPlan:
     # (S'-1,) long: when every non-empty sequence but the last ends on an SSD chunk boundary (relative to cu[0]),
     # the chunk whose entering state is each one's final state; None otherwise (see ssd_prefill.ssd_chunk_scan)
     final_chunks: Optional[torch.Tensor] = None
-    # host: the first non-empty sequence resumes and takes the packed call's own initial state while others resume
-    # too (``others``); never where all resumed sequences fit as the rows of one call
-    lead: bool = False
-    init: Optional[InitCorrectionPlan] = None  # over ``others``; None: none of them
-    # host: every sequence is non-empty and resumes (a step of cache hits); unless ``lead``, init.rows is then
-    # 0..S-1 and the rows of initial_states need no gather
-    all_resume: bool = False
-    rows: Optional[ResumedRowsPlan] = None  # ``others`` as rows: more than SEPARATE_RESUMED_MAX, within the limits
+    path: ResumePath = ResumePath.NONE
+    # host: the packed call starts its first sequence from that sequence's state (NATIVE, or ROWS with a resumed
+    # first sequence among fresh ones)
+    first_native: bool = False
+    # the resumed sequences the packed call cannot start from their state (ROWS), in groups of one call each;
+    # when they are every non-empty sequence (a step of cache hits) there is no packed call
+    groups: List[RowGroup] = field(default_factory=list)
+    packed_call: bool = True
     conv: Dict[int, ConvPlan] = field(default_factory=dict)  # by K; read through ``conv_plan``
     device: torch.device = torch.device("cpu")  # where the plan's tensors live (on-demand conv layouts too)
-    # boundary_plan's result for the step's boundary offsets (the same list object for every layer): (offsets,
-    # (has_states, chunk_size), plan); boundary_rows' likewise: (offsets, plan)
-    boundary_plan_cache: Optional[tuple] = None
-    boundary_cache: Optional[tuple] = None
-    # conv_boundary_rows' result, likewise: (offsets, K, ConvBoundaryRows)
-    conv_boundary_cache: Optional[tuple] = None
+    # prefix caching (``add_boundaries``): the step's boundary offsets per sequence and their plans
+    boundary_offsets: Optional[List[List[int]]] = None
+    boundary: Optional[BoundaryPlan] = None
+    boundary_rows: Optional[BoundaryRowsPlan] = None
+    conv_boundary: Dict[int, ConvBoundaryRows] = field(default_factory=dict)  # by K
 
     @property
     def S(self) -> int:
@@ -196,47 +196,19 @@ class VarlenPlan:
 
     @functools.cached_property
     def resumed(self) -> List[int]:
-        """The non-empty sequences that start from a saved state (host; asked several times in every layer)."""
+        """The non-empty sequences that start from a saved state."""
         return [s for s in self.nonempty if self.init_flags[s]]
 
-    @functools.cached_property
-    def others(self) -> List[int]:
-        """The resumed sequences the packed call cannot start from their state: all but a ``lead`` first one."""
-        return self.resumed[1:] if self.lead else self.resumed
-
     @property
-    def rows_cover_all(self) -> bool:
-        """Every non-empty sequence is one of ``others`` (a step of cache hits): a rows call alone computes the
-        step."""
-        return self.others == self.nonempty != []
-
-    def native_first(self, has_states: bool) -> bool:
-        """The only sequence that resumes a state is the first non-empty one of the packed batch: the kernels'
-        own initial state (per batch row, which with seq_idx reaches exactly the row's first sequence) serves
-        it. has_states: the caller passed initial states at all."""
-        return has_states and self.resumed == self.nonempty[:1] != []
-
-    def first_takes_state(self, has_states: bool) -> bool:
-        """The packed call starts its first sequence from that sequence's state: ``native_first``, or ``lead``
-        (then ``others`` take one of the paths below as well)."""
-        return has_states and (self.lead or self.native_first(True))
-
-    def resume_path(self, has_states: bool) -> str:
-        """How ``ssd_prefill`` computes the resumed sequences: "none" (no non-empty sequence resumes a state, or no
-        states given), "native" (``native_first``), or, for ``others``: "rerun" (each alone, at most
-        ``SEPARATE_RESUMED_MAX``), "rows" (as the rows of one more call) or "correction"."""
-        if self.native_first(has_states):
-            return "native"
-        if self.init is None or not has_states:
-            return "none"
-        if len(self.others) <= SEPARATE_RESUMED_MAX:
-            return "rerun"
-        return "rows" if self.rows is not None else "correction"
+    def all_resume(self) -> bool:
+        """Every sequence is non-empty and resumes (a step of cache hits): the rows of initial_states need no
+        mask."""
+        return self.S > 0 and len(self.resumed) == self.S
 
     def reruns_resumed(self) -> bool:
-        """The conv's choice: up to ``SEPARATE_RESUMED_MAX`` resumed sequences keep the in-place layout (each one's
+        """The conv's choice: up to ``CONV_RECOMPUTE_MAX`` resumed sequences keep the in-place layout (each one's
         first outputs recomputed from its state); more take the extended buffer (``conv.causal_conv1d``)."""
-        return len(self.resumed) <= SEPARATE_RESUMED_MAX
+        return len(self.resumed) <= CONV_RECOMPUTE_MAX
 
 
 def _upload(host: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
@@ -267,7 +239,7 @@ def build_plan(
     """Plan of one packed batch.
 
     cu_seqlens: (S+1,) int; has_initial_state: (S,) bool or None (None: all True when have_initial_states);
-    num_tokens: T, the tokens of x; chunk_size: the SSD chunk (correction blocks are at most this long);
+    num_tokens: T, the tokens of x; chunk_size: the SSD chunk;
     conv_widths: the conv widths W to lay out for ``causal_conv1d`` (usually one).
     Pass CPU tensors: device tensors work but cost a sync (``.tolist()``).
     """
@@ -296,15 +268,8 @@ def build_plan(
     if ne and all(e % chunk_size == 0 for e in cu_k[1:-1]):
         host["final_chunks"] = torch.tensor([e // chunk_size for e in cu_k[1:-1]], dtype=torch.long)
     init_pos = [i for i, s in enumerate(ne) if flags[s]]
-    # Resumed sequences go as rows of one call where they fit (the whole step where every sequence resumes);
-    # otherwise a resumed first sequence leads (the packed call starts it from its state: no rerun, correction or
-    # second pass for it), and only the others take rows, reruns or the correction.
-    rows_shape = _rows_host(host, cu, ne, init_pos, chunk_size) if _many(init_pos) else None
-    lead = rows_shape is None and len(init_pos) > 1 and init_pos[0] == 0
-    rest = init_pos[1:] if lead else init_pos
-    blk = _correction_host(host, cu_k_np, seq_idx_np, rest, chunk_size) if rest else 0
-    if rows_shape is None and _many(rest):
-        rows_shape = _rows_host(host, cu, ne, rest, chunk_size)
+    path, first_native, others = _resume_path(init_pos, len(ne))
+    groups = _row_groups_host(host, cu, ne, others, chunk_size)
     in_place = {}
     for W in conv_widths:
         K = W - 1
@@ -316,19 +281,12 @@ def build_plan(
     dev = _upload(host, device)
     seq_idx = dev["seq_idx"].to(torch.int32)
     plan = VarlenPlan(
-        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, cu_k=dev["cu_k"].to(torch.int32), seq_idx=seq_idx,
-        seq_idx_row=seq_idx.unsqueeze(0), nonempty_dev=dev["nonempty"], resume_mask=dev["resume_mask"].bool(),
-        final_chunks=dev.get("final_chunks"),
-        device=device,
+        cu=cu, init_flags=flags, T=num_tokens, nonempty=ne, chunk_size=int(chunk_size),
+        cu_k=dev["cu_k"].to(torch.int32), seq_idx=seq_idx, seq_idx_row=seq_idx.unsqueeze(0),
+        nonempty_dev=dev["nonempty"], resume_mask=dev["resume_mask"].bool(), final_chunks=dev.get("final_chunks"),
+        path=path, first_native=first_native, packed_call=len(others) < len(ne), device=device,
+        groups=[_row_group(group, dev, f"g{i}_", chunk_size) for i, group in enumerate(groups)],
     )
-    plan.all_resume, plan.lead = S > 0 and len(init_pos) == S, lead
-    if rest:
-        plan.init = InitCorrectionPlan(
-            block=blk, tok_start=dev["i_tok_start"], start=dev["i_start"], end=dev["i_end"], pos=dev["i_pos"],
-            rows=dev["i_rows"], tok=dev["i_tok"], b_seq=dev["i_b_seq"],
-        )
-    if rows_shape is not None:
-        plan.rows = ResumedRowsPlan(_padded_rows(*rows_shape, dev, "r_"), real=dev["r_real"], dst=dev["r_dst"])
     for W in conv_widths:
         K = W - 1
         cp = ConvPlan(K=K, E=num_tokens + S * K, in_place=in_place[K], last_row=dev[f"c{K}_last_row"])
@@ -338,9 +296,69 @@ def build_plan(
     return plan
 
 
-def _many(positions: List[int]) -> bool:
-    """More resumed sequences than are rerun one by one."""
-    return bool(positions) and len(positions) > SEPARATE_RESUMED_MAX
+def _resume_path(init_pos: List[int], nonempty: int) -> tuple:
+    """(``ResumePath``, first_native, others) from the positions (among the non-empty sequences) of the resumed
+    ones. The packed call starts its first sequence from that sequence's state; every other resumed sequence is
+    one of ``others``, for the row groups. When every non-empty sequence resumes (a step of cache hits) they are
+    all ``others``, and no packed call runs."""
+    if not init_pos:
+        return ResumePath.NONE, False, []
+    if init_pos == [0]:
+        return ResumePath.NATIVE, True, []
+    if len(init_pos) == nonempty:
+        return ResumePath.ROWS, False, init_pos
+    first = init_pos[0] == 0
+    return ResumePath.ROWS, first, init_pos[1:] if first else init_pos
+
+
+def _rows_fit(I: int, L: int, tokens: int, chunk_size: int) -> bool:
+    """Padded rows of I x L within ROWS_MAX_PADDING times their sequences' tokens and ROWS_MAX_CHUNKS chunks."""
+    return I * L <= ROWS_MAX_PADDING * tokens and L <= ROWS_MAX_CHUNKS * chunk_size
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _row_groups_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int], others: List[int],
+                     chunk_size: int) -> List[tuple]:
+    """The ``RowGroup``s of ``others`` (positions among the non-empty sequences): longest first, a group takes the
+    next one while its padded rows fit (``_rows_fit``, every sequence counted as at least 16 tokens: a row is
+    never shorter); a group of one is called on its own tokens. Adds each group's host tensors to host as
+    "g<i>_*"; returns [(its positions, (I, L) or None)]."""
+    length = {i: cu[ne[i] + 1] - cu[ne[i]] for i in others}
+    members: List[List[int]] = []
+    for i in sorted(others, key=lambda i: -length[i]):
+        if members:
+            group = members[-1] + [i]
+            tokens = sum(max(length[j], 16) for j in group)
+            if _rows_fit(len(group), _round16(length[group[0]]), tokens, chunk_size):
+                members[-1] = group
+                continue
+        members.append([i])
+    groups = []
+    for g, pos in enumerate(members):
+        prefix = f"g{g}_"
+        host[prefix + "seqs"] = torch.tensor([ne[i] for i in pos], dtype=torch.long)
+        host[prefix + "pos"] = torch.tensor(pos, dtype=torch.long)
+        shape = None
+        if len(pos) > 1:
+            shape = _padded_rows_host(host, prefix, [cu[ne[i]] for i in pos], [length[i] for i in pos])
+            src = host[prefix + "src"].numpy()
+            real = np.flatnonzero(host[prefix + "pad"].numpy() == 0)
+            host.update({prefix + "real": torch.from_numpy(real), prefix + "dst": torch.from_numpy(src[real] - cu[0])})
+        groups.append(([ne[i] for i in pos], shape, length[pos[0]]))
+    return groups
+
+
+def _row_group(group: tuple, dev: Dict[str, torch.Tensor], prefix: str, chunk_size: int) -> RowGroup:
+    seqs, shape, longest = group
+    result = RowGroup(seqs=seqs, seq_rows=dev[prefix + "seqs"], pos=dev[prefix + "pos"],
+                      nchunks=-(-(shape[1] if shape else longest) // chunk_size))
+    if shape is not None:
+        result.rows = _padded_rows(*shape, dev, prefix)
+        result.real, result.dst = dev[prefix + "real"], dev[prefix + "dst"]
+    return result
 
 
 def _init_flags(has_initial_state: Optional[torch.Tensor], have_initial_states: bool, S: int) -> List[bool]:
@@ -355,39 +373,11 @@ def _init_flags(has_initial_state: Optional[torch.Tensor], have_initial_states: 
     return flags
 
 
-def _correction_host(host: Dict[str, torch.Tensor], cu_k_np, seq_idx_np, init_pos: List[int], chunk_size: int) -> int:
-    """The host tensors of the ``InitCorrectionPlan`` of the non-empty sequences at positions init_pos, added
-    to host as "i_*"; returns the block length."""
-    Tu = int(cu_k_np[-1])
-    pos_t = torch.tensor(init_pos)
-    starts, ends = host["cu_k"][pos_t], host["cu_k"][pos_t + 1]
-    lens = (ends - starts).tolist()
-    # Blocks of at most chunk_size tokens of one sequence; a power of two fitting the longest sequence.
-    blk = max(1, min(int(chunk_size), 1 << (max(lens) - 1).bit_length()))
-    nblk = [(n + blk - 1) // blk for n in lens]
-    b_seq = torch.from_numpy(np.repeat(np.arange(len(init_pos), dtype=np.int64), nblk))
-    first = torch.tensor([0] + nblk[:-1]).cumsum(0)
-    b_k = torch.arange(len(b_seq)) - first[b_seq]
-    tok = starts[b_seq, None] + b_k[:, None] * blk + torch.arange(blk)[None, :]
-    tok = torch.where(tok < ends[b_seq, None], tok, torch.full_like(tok, Tu))
-    host.update({
-        "i_tok_start": torch.from_numpy(cu_k_np[seq_idx_np]),
-        "i_start": starts, "i_end": ends,
-        "i_pos": pos_t, "i_rows": host["nonempty"][pos_t],
-        "i_tok": tok, "i_b_seq": b_seq,
-    })
-    return blk
-
-
-def _padded_rows_host(host: Dict[str, torch.Tensor], prefix: str, starts: List[int], lens: List[int],
-                      chunk_size: int) -> Optional[tuple]:
+def _padded_rows_host(host: Dict[str, torch.Tensor], prefix: str, starts: List[int], lens: List[int]) -> tuple:
     """The host arrays of ``PaddedRows`` for sequences at these starts and lengths, added to host as
-    prefix + "src" / "pad"; returns (I, L), or None where the padding or the length exceeds the limits
-    (ROWS_MAX_PADDING, ROWS_MAX_CHUNKS)."""
+    prefix + "src" / "pad"; returns (I, L)."""
     start, n = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-    I, L = len(starts), -(-int(n.max()) // 16) * 16
-    if I * L > ROWS_MAX_PADDING * int(n.sum()) or L > ROWS_MAX_CHUNKS * chunk_size:
-        return None
+    I, L = len(starts), _round16(int(n.max()))
     j = np.arange(L, dtype=np.int64)[None, :]
     pad = j >= n[:, None]  # (I, L)
     src = np.where(pad, start[:, None], start[:, None] + j)
@@ -398,18 +388,6 @@ def _padded_rows_host(host: Dict[str, torch.Tensor], prefix: str, starts: List[i
 
 def _padded_rows(I: int, L: int, dev: Dict[str, torch.Tensor], prefix: str) -> PaddedRows:
     return PaddedRows(I=I, L=L, src=dev[prefix + "src"], pad=dev[prefix + "pad"].bool())
-
-
-def _rows_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int], init_pos: List[int], chunk_size: int):
-    """The host tensors of the ``ResumedRowsPlan`` (added to host as "r_*") and its (I, L); None beyond the
-    limits (``_padded_rows_host``)."""
-    seqs = [ne[i] for i in init_pos]
-    shape = _padded_rows_host(host, "r_", [cu[s] for s in seqs], [cu[s + 1] - cu[s] for s in seqs], chunk_size)
-    if shape is not None:
-        src = host["r_src"].numpy()
-        real = np.flatnonzero(host["r_pad"].numpy() == 0)
-        host.update({"r_real": torch.from_numpy(real), "r_dst": torch.from_numpy(src[real] - cu[0])})
-    return shape
 
 
 def _set_ext(cp: ConvPlan, ext: Dict[str, torch.Tensor]) -> None:
@@ -442,62 +420,83 @@ def _conv_ext_host(cu: List[int], T: int, K: int) -> Dict[str, torch.Tensor]:
             (("tok_row", tok_row), ("state_row", state_row), ("seq_idx", seq_idx), ("final_row", final_row))}
 
 
-def boundary_plan(plan: VarlenPlan, offsets, chunk_size: int, has_states: bool) -> BoundaryPlan:
-    """The ``BoundaryPlan`` of these boundary offsets (per sequence, 0 < o <= its length in the step), built once
-    per plan. has_states: the scan gets initial states at all."""
-    key = (has_states, chunk_size)
-    cache = plan.boundary_plan_cache
-    if cache is not None and cache[0] is offsets and cache[1] == key:
-        return cache[2]
+def add_boundaries(plan: VarlenPlan, offsets: List[List[int]]) -> None:
+    """Prefix caching's boundary offsets of the step (per sequence, 0 < o <= its length in the step) and their
+    plans, set on ``plan`` with one upload: where each state comes from (``BoundaryPlan``), the rows of a second
+    pass where one is needed (``BoundaryRowsPlan``) and the conv's gathers for every conv width of the plan
+    (``ConvBoundaryRows``). Called once per step, by the metadata builder (or by the first caller that passes
+    offsets to a plan without them)."""
     if len(offsets) != plan.S:
         raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
-    path = plan.resume_path(has_states)
-    packed, pairs = _packed_pairs(plan, offsets, chunk_size, has_states and path != "none",
-                                  plan.first_takes_state(has_states))
-    picks: Dict[object, list] = {}  # source -> what to take from it; a rerun's source is ("rerun", sequence)
+    for s, offs in enumerate(offsets):
+        n = plan.cu[s + 1] - plan.cu[s]
+        for o in offs:
+            if not 0 < o <= n:
+                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
+    host: Dict[str, torch.Tensor] = {}
+    chunk_size = plan.chunk_size
+    finish = _boundary_plan_host(plan, offsets, chunk_size, host)
+    rows_shape = None
+    rest = finish["rest"]
+    if rest is not None:
+        rows_shape = _boundary_rows_host(plan, rest, chunk_size, host)
+    for K in plan.conv:
+        _conv_boundary_host(plan, offsets, K, host)
+    dev = _upload(host, plan.device)
+    plan.boundary_offsets = offsets
+    plan.boundary = BoundaryPlan(pairs=dev["b_pairs"].to(torch.int32) if "b_pairs" in dev else None,
+                                 groups={g: dev[f"b_group{g}"] for g in finish["groups"]}, final=dev["b_final"],
+                                 rest=rest, order=dev.get("b_order"))
+    if rows_shape is not None:
+        I, L, nchunks = rows_shape
+        plan.boundary_rows = BoundaryRowsPlan(_padded_rows(I, L, dev, "br_"), nchunks=nchunks, seq=dev["br_seq"],
+                                              fresh=dev["br_fresh"].bool(), pick=dev["br_pick"])
+    plan.conv_boundary = {K: ConvBoundaryRows(x_rows=dev[f"cb{K}_x_rows"], pick=dev.get(f"cb{K}_pick"))
+                          for K in plan.conv}
+
+
+def _boundary_plan_host(plan: VarlenPlan, offsets, cs: int, host: Dict[str, torch.Tensor]) -> dict:
+    """The host tensors of the ``BoundaryPlan`` (added to host as "b_*"); returns its host parts: the groups with
+    picks and the rest (per sequence, None if none)."""
+    group_of = {s: (g, row) for g, group in enumerate(plan.groups) for row, s in enumerate(group.seqs)}
+    packed, pairs = _packed_pairs(plan, offsets, cs, set(group_of))
+    picks: Dict[object, list] = {}  # source -> what to take from it; a group's source is ("group", g)
     where = []  # per offset: (source, position among the source's picks)
     for s, offs in enumerate(offsets):
         for o in offs:
-            source, pick = _source_of(plan, s, o, chunk_size, path, packed)
+            source, pick = _source_of(plan, s, o, cs, packed, group_of)
             where.append((source, len(picks.setdefault(source, []))))
             picks[source].append(pick)
     assert picks.get("packed", []) == list(range(len(packed)))  # chunk_state_varlen's rows come in offset order
-    reruns = sorted(k for k in picks if isinstance(k, tuple))
-    keys = [k for k in ("packed", "rows", *reruns, "final", "rest") if k in picks]
+    groups = sorted(k for k in picks if isinstance(k, tuple))
+    keys = [k for k in ("packed", *groups, "final", "rest") if k in picks]
     base = dict(zip(keys, np.cumsum([0] + [len(picks[k]) for k in keys]).tolist()))
     order = [base[k] + i for k, i in where]  # the rest come back from a second pass in sequence order, as picked
-    host = {k: torch.tensor(picks.get(k, []), dtype=torch.long) for k in ("rows", "final")}
-    host.update({f"rerun{k[1]}": torch.tensor(picks[k], dtype=torch.long) for k in reruns})
+    host["b_final"] = torch.tensor(picks.get("final", []), dtype=torch.long)
+    host.update({f"b_group{k[1]}": torch.tensor(picks[k], dtype=torch.long) for k in groups})
     if pairs:
-        host["pairs"] = torch.tensor(pairs, dtype=torch.long)
+        host["b_pairs"] = torch.tensor(pairs, dtype=torch.long)
     if order != sorted(order):
-        host["order"] = torch.tensor(order, dtype=torch.long)
-    dev = _upload(host, plan.device)
+        host["b_order"] = torch.tensor(order, dtype=torch.long)
     rest = [[o for s2, o in picks.get("rest", []) if s2 == s] for s in range(plan.S)]
-    result = BoundaryPlan(pairs=dev["pairs"].to(torch.int32) if pairs else None, rows=dev["rows"],
-                          rerun={k[1]: dev[f"rerun{k[1]}"] for k in reruns}, final=dev["final"],
-                          rest=rest if any(rest) else None, order=dev.get("order"))
-    plan.boundary_plan_cache = (offsets, key, result)
-    return result
+    return {"groups": [k[1] for k in groups], "rest": rest if any(rest) else None}
 
 
-def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, path: str, packed: dict) -> tuple:
+def _source_of(plan: VarlenPlan, s: int, o: int, cs: int, packed: dict, group_of: dict) -> tuple:
     """(source, what to take from it) for the state after o tokens of sequence s: its final state; the packed
-    call's (``_packed_pairs``); the call that computes one of ``others`` from its own start (a row of the resumed
-    rows' call, flattened to (rows * chunks), or its rerun), at a chunk multiple; else the second pass's."""
+    call's (``_packed_pairs``); the call of the row group that computes s from its own start, at a chunk multiple
+    (a row of its states flattened to (rows * chunks)); else the second pass's."""
     if o == plan.cu[s + 1] - plan.cu[s]:
         return "final", s
     if (s, o) in packed:
         return "packed", packed[(s, o)]
-    if path in ("rows", "rerun") and s in plan.others and o % cs == 0:
-        if path == "rerun":
-            return ("rerun", s), o // cs
-        row = plan.others.index(s)  # the rows call's rows are ``others``, in order
-        return "rows", row * -(-plan.rows.rows.L // cs) + o // cs
+    if s in group_of and o % cs == 0:
+        g, row = group_of[s]
+        return ("group", g), row * plan.groups[g].nchunks + o // cs
     return "rest", (s, o)
 
 
-def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native: bool) -> tuple:
+def _packed_pairs(plan: VarlenPlan, offsets, cs: int, in_groups: set) -> tuple:
     """({(s, o): k}, pairs): the k-th (start, end) of ``pairs`` asks mamba-ssm's ``chunk_state_varlen`` for the
     state after o tokens of sequence s, for the inner offsets (before its end) of the sequences the packed call
     computes from their true initial state (fresh ones; the first one when it takes the kernel's own initial state).
@@ -524,8 +523,8 @@ def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native:
         for o in offsets[s]:
             if not 0 < o <= n:
                 raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
-        if any_resumed and plan.init_flags[s] and not (native and s == plan.nonempty[0]):
-            continue  # computed from zeros by the packed call, its result corrected or replaced
+        if s in in_groups:
+            continue  # computed from zeros by the packed call, its result replaced by its row group's
         for o in offsets[s]:
             c = (a + o - 1) // cs
             start = (c - 1) * cs + 1 if a < c * cs else (a if a > 0 else -1)
@@ -535,58 +534,39 @@ def _packed_pairs(plan: VarlenPlan, offsets, cs: int, any_resumed: bool, native:
     return packed, pairs
 
 
-def boundary_rows(plan: VarlenPlan, offsets, chunk_size: int) -> Optional[BoundaryRowsPlan]:
-    """The ``BoundaryRowsPlan`` of these boundary offsets (per sequence, relative to its first token in the step),
-    built and uploaded once per plan; None where the rows call does not serve: fewer than two sequences with
-    offsets, an offset inside a chunk that is not its sequence's last (a step that began inside a block), or
-    padding / length beyond ROWS_MAX_PADDING / ROWS_MAX_CHUNKS (as for resumed rows)."""
-    if plan.boundary_cache is not None and plan.boundary_cache[0] is offsets:
-        return plan.boundary_cache[1]
+def _boundary_rows_host(plan: VarlenPlan, offsets, chunk_size: int, host: Dict[str, torch.Tensor]):
+    """The host tensors of the second pass's ``BoundaryRowsPlan`` for these offsets (per sequence, relative to its
+    first token in the step), added to host as "br_*"; returns (I, L, nchunks), or None where the rows call does
+    not serve: fewer than two sequences with offsets, an offset inside a chunk that is not its sequence's last (a
+    step that began inside a block), or padding / length beyond ``_rows_fit``."""
     seqs = [s for s, offs in enumerate(offsets) if offs]
     lasts = [max(offsets[s]) for s in seqs]
-    result, host = None, {}
     aligned = all(o % chunk_size == 0 or o == n for s, n in zip(seqs, lasts) for o in offsets[s])
-    shape = (_padded_rows_host(host, "", [plan.cu[s] for s in seqs], lasts, chunk_size)
-             if len(seqs) >= 2 and aligned else None)
-    if shape is not None:
-        I, nchunks = shape[0], -(-shape[1] // chunk_size)
-        pick = [I * nchunks + i if o == lasts[i] else i * nchunks + o // chunk_size
-                for i, s in enumerate(seqs) for o in offsets[s]]
-        host.update({"seq": torch.tensor(seqs, dtype=torch.long),
-                     "fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
-                     "pick": torch.tensor(pick, dtype=torch.long)})
-        dev = _upload(host, plan.device)
-        result = BoundaryRowsPlan(_padded_rows(*shape, dev, ""), nchunks=nchunks, seq=dev["seq"],
-                                  fresh=dev["fresh"].bool(), pick=dev["pick"])
-    plan.boundary_cache = (offsets, result)
-    return result
+    if len(seqs) < 2 or not aligned or not _rows_fit(len(seqs), _round16(max(lasts)), sum(lasts), chunk_size):
+        return None
+    I, L = _padded_rows_host(host, "br_", [plan.cu[s] for s in seqs], lasts)
+    nchunks = -(-L // chunk_size)
+    pick = [I * nchunks + i if o == lasts[i] else i * nchunks + o // chunk_size
+            for i, s in enumerate(seqs) for o in offsets[s]]
+    host.update({"br_seq": torch.tensor(seqs, dtype=torch.long),
+                 "br_fresh": torch.tensor([not plan.init_flags[s] for s in seqs], dtype=torch.long),
+                 "br_pick": torch.tensor(pick, dtype=torch.long)})
+    return I, L, nchunks
 
 
-def conv_boundary_rows(plan: VarlenPlan, offsets, K: int) -> ConvBoundaryRows:
-    """The ``ConvBoundaryRows`` of these boundary offsets (per sequence, 0 < o <= its length), built on the host
-    and uploaded once per plan: no host sync in the layers."""
-    cache = plan.conv_boundary_cache
-    if cache is not None and cache[0] is offsets and cache[1] == K:
-        return cache[2]
-    if len(offsets) != plan.S:
-        raise ValueError(f"boundary_offsets has {len(offsets)} entries for {plan.S} sequences")
+def _conv_boundary_host(plan: VarlenPlan, offsets, K: int, host: Dict[str, torch.Tensor]) -> None:
+    """The host tensors of the ``ConvBoundaryRows`` of width K + 1, added to host as "cb<K>_*"."""
     x_rows, pick = [], []
     for s, offs in enumerate(offsets):
-        a, n = plan.cu[s], plan.cu[s + 1] - plan.cu[s]
+        a = plan.cu[s]
         for o in offs:
-            if not 0 < o <= n:
-                raise ValueError(f"boundary offset {o} outside a sequence of {n} tokens")
             for p in range(o - K, o):  # position relative to the sequence's first token in the step
                 pick.append(len(x_rows) if p >= 0 else -(s * K + K + p) - 1)  # negative: an initial-state row
                 x_rows.append(a + max(p, 0))
-    host = {"x_rows": torch.tensor(x_rows, dtype=torch.long)}
+    host[f"cb{K}_x_rows"] = torch.tensor(x_rows, dtype=torch.long)
     if any(i < 0 for i in pick):
         M = len(x_rows)
-        host["pick"] = torch.tensor([i if i >= 0 else M - i - 1 for i in pick], dtype=torch.long)
-    dev = _upload(host, plan.device)
-    result = ConvBoundaryRows(x_rows=dev["x_rows"], pick=dev.get("pick"))
-    plan.conv_boundary_cache = (offsets, K, result)
-    return result
+        host[f"cb{K}_pick"] = torch.tensor([i if i >= 0 else M - i - 1 for i in pick], dtype=torch.long)
 
 
 def conv_plan(plan: VarlenPlan, K: int, extended: bool = False) -> ConvPlan:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from . import varlen_plan
 from .decode_step import ssu_warm_batches
 
 # Layer signatures already warmed in this process. Keyed by what the Triton kernels specialise on, not one flag
@@ -47,8 +46,7 @@ def warm_prefill(layer, projected: torch.Tensor) -> None:
     if sig in _WARMED_PREFILL:
         return
     tokens = projected.shape[0]
-    layouts = [(lengths, resumed, None)
-               for lengths, resumed in prefill_layouts(layer.chunk_size, varlen_plan.SEPARATE_RESUMED_MAX, tokens)]
+    layouts = [(lengths, resumed, None) for lengths, resumed in prefill_layouts(layer.chunk_size, tokens)]
     if layer.prefix_caching:
         layouts += boundary_layouts(layer.chunk_size, tokens)
     slots = 1 + max(len(lengths) + sum(map(len, offsets or [])) for lengths, _, offsets in layouts)
@@ -77,7 +75,7 @@ def warm_decode(layer, projected: torch.Tensor) -> None:
     _WARMED_DECODE.add(sig)
 
 
-def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
+def prefill_layouts(chunk_size: int, tokens: int = 0) -> list:
     """(sequence lengths, resumes-a-state flags) of the packed batches ``warm_prefill`` runs.
 
     First, when ``tokens`` (the profile run's token budget, i.e. the largest step) exceeds two chunks: three
@@ -100,26 +98,26 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
     ``tokens``, a rows call at most ``tokens`` rounded up to 16), so those classes are warmed only when the budget
     allows such calls: an unreachable class costs compile time (seconds per layout in float32) for nothing.
 
-    Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), up to
-    ``max_rerun`` resumed sequences after a fresh one (each rerun alone, lengths in Triton's classes other, 16k
-    and 1; a resumed first sequence would lead, ``VarlenPlan.lead``), more: as rows of one call
-    (``varlen_plan.ResumedRowsPlan``: batch rows I in Triton's classes "other" and 16k, row length L a multiple of
-    16 of one or of 2-15 chunks, where a step within the budget can have them: I * L <= 2 * tokens, half of
-    the rows padding) and by the batched correction (a long one among 1-token ones pads too much for rows)."""
-    cs, many = chunk_size, max_rerun + 1
+    Last, the other paths of the wrappers: a sequence shorter than W-1 (conv through the extended buffer), a
+    resumed sequence after a fresh one (a row group of one, called on its own tokens: lengths in Triton's classes
+    other, 16k and 1; a resumed first sequence would take the packed call's own state), and more resumed ones as
+    the padded rows of one call (``varlen_plan.RowGroup``: batch rows I in Triton's classes "other" and 16k, row
+    length L a multiple of 16 of one or of 2-15 chunks, where a step within the budget can have them: I * L <= 2 *
+    tokens, half of the rows padding), after a fresh one and as a whole step of resumed ones."""
+    cs = chunk_size
     multi_chunk = cs < -(-tokens // 16) * 16  # can a call be longer than one chunk
     lead = cs if multi_chunk else 5  # a fresh first sequence: a chunk long where calls may span chunks
-    reruns = ([37, 48, 1] if multi_chunk else [5, 16, 1])[:max_rerun]  # lengths in Triton's classes
+    singles = [37, 48, 1] if multi_chunk else [5, 16, 1]  # lengths in Triton's classes
     rows = []
     for L in (16, cs + 16):
-        for n in (many, 16):
+        for n in (4, 16):
             lengths = [L] * (n // 2) + [1] * (n - n // 2)
             if sum(lengths) <= tokens:
                 rows.append((lengths, [True] * n))
     layouts = [
         ([tokens // 2, tokens - tokens // 2], [False, False]),  # the packed call (seq_idx, no initial state)
         ([17, tokens - 17], [True, False]),  # + state passing with an initial state, the varlen final states
-        ([1, tokens - 1], [False, True]),  # a rerun: the kernels without seq_idx, with an initial state
+        ([1, tokens - 1], [False, True]),  # a group of one: the kernels without seq_idx, with an initial state
     ] if tokens > 2 * cs else []
     for chunks in [1] + ([2] if multi_chunk else []) + ([16] if tokens >= 15 * cs + 32 else []):
         for residue in (0, 8, 4, 2, 1):
@@ -133,8 +131,8 @@ def prefill_layouts(chunk_size: int, max_rerun: int, tokens: int = 0) -> list:
         ([1], [False]),
         ([1], [True]),
         ([lead + 5, 2], [False, False]),
-        ([lead] + reruns, [False] + [True] * len(reruns)),  # after a fresh first sequence: none leads
-        ([1] * many + [20], [True] * (many + 1)),
+        *[([lead, n], [False, True]) for n in singles],  # after a fresh first sequence: a group of one
+        ([lead, 5, 9], [False, True, True]),  # two short ones: the padded rows of one call, after a packed call
     ] + rows
 
 
@@ -143,18 +141,16 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
     runs when the engine caches prefixes, within the step budget ``tokens``: the calls that give the states at
     block boundaries (``ssd_prefill._boundary_states``). A prompt's chunk starts on a block boundary while the
     block fits the budget, and may start inside one when it does not (patches.py, 4). The packed
-    call serves both alike; a second pass up to an offset inside a chunk (a resumed sequence under the
-    correction) compiles at its first use.
+    call serves both alike; a second pass up to an offset inside a chunk (of a resumed sequence in a row group)
+    compiles at its first use.
 
     * Fresh prompts (and a continued prompt opening the step) take their boundary states from the packed call
       and one launch of ``chunk_state_varlen`` over its results (``varlen_plan._packed_pairs``): the packed call's
       length T in Triton's classes (chunk count other or 16k) x (T mod 16: 0 / 8 / 4 / 2 / 1), with the varlen
       final states, from zeros and with a first initial state.
-    * Resumed sequences rerun alone or as rows of one call give theirs from that call (no other kernels). Under
-      the batched correction (long resumed sequences among 1-token ones, after a fresh first one, pad too much for
-      rows) they run a second pass up to their last boundary: alone, as one batch row without seq_idx from their
-      state (a length that is a multiple of 16, chunk counts 1, other and 16k); two or more as the padded rows of
-      one call (2 and 16 rows, chunk counts 1 and other: ``varlen_plan`` keeps rows calls below 16 chunks)."""
+    * Resumed sequences in row groups give theirs from their group's call: one resumed sequence after a fresh one
+      (a group of one, chunk counts 1, 2 and 16) and 2 or 16 of them (padded rows, chunk counts 1 and 2:
+      ``varlen_plan`` keeps rows calls below 16 chunks)."""
     cs, layouts = chunk_size, []
     for chunks in (4, 16):
         for residue in (0, 8, 4, 2, 1):
@@ -163,11 +159,10 @@ def boundary_layouts(chunk_size: int, tokens: int) -> list:
                 layouts += [([cs + 5, T - cs - 5], [first, False], [[cs], [cs]]) for first in (False, True)]
     for n, chunk_counts in ((1, (1, 2, 16)), (2, (1, 2)), (16, (1, 2))):
         for chunks in chunk_counts:
-            short = max(n + 1, varlen_plan.SEPARATE_RESUMED_MAX + 1 - n)  # 1-token ones: the correction
-            lengths = [1] + [chunks * cs + 16] * n + [1] * short  # a fresh first sequence: none leads
+            lengths = [1] + [chunks * cs + 16] * n  # a fresh first sequence: the packed call starts none
             if sum(lengths) <= tokens:
-                offsets = [[]] + [[cs * k for k in range(1, chunks + 1)]] * n + [[]] * short
-                layouts.append((lengths, [False] + [True] * (len(lengths) - 1), offsets))
+                offsets = [[]] + [[cs * k for k in range(1, chunks + 1)]] * n
+                layouts.append((lengths, [False] + [True] * n, offsets))
     return layouts
 
 
