@@ -21,7 +21,7 @@ its ``conv_ssm_forward``, with metadata from the plugin's ``Mamba2PluginMetadata
 includes the step's prefill plan; its time is reported as build_us). With no engine there is no forward
 context, so the one lookup the mixer makes in it (``compat.layer_metadata``) is answered with that metadata.
 Layouts: "<S>x<L>" = S fresh prompts of L tokens packed together (T = S*L); a trailing "r" makes every other
-prompt a resumed chunk (it starts from the state in its slot: the initial-state correction path); "r1" makes
+prompt a resumed chunk (it starts from the state in its slot: a row group of ``ssd_prefill``); "r1" makes
 only the first one resumed, as in a chunked-prefill step that continues the prompt the previous step cut (the
 plugin hands that sequence's state to the packed kernel calls as their own initial state). Segments joined by "+"
 make any step (``parse_layout``): "d<N>" decode rows first, "r<L>" one resumed chunk, "<L>" one fresh prompt, e.g.

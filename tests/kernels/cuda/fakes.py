@@ -3,7 +3,7 @@
 They reproduce the argument checks (asserts / TORCH_CHECKs) and the semantics the wrappers rely on -- e.g. that
 a packed SSD call gives an initial state only to the first sequence, that causal_conv1d_fn's varlen path needs
 the channel-last layout and int32 seq_idx, that selective_state_update crashes on dt_bias=None -- so that the
-wrappers' index plumbing, layouts and the initial-state correction are checked without a GPU. ``conftest.kern``
+wrappers' index plumbing, layouts and row groups are checked without a GPU. ``conftest.kern``
 installs ``FAKE_KERNELS`` in place of ``upstream.kernels()``.
 """
 

@@ -146,7 +146,7 @@ def test_causal_conv1d_resumed_sequences(kern, dims, dtype, resume_path, monkeyp
 @pytest.mark.parametrize("dims", list(CONV_DIMS))
 def test_causal_conv1d_lone_first_resumed_sequence_is_read_in_place(kern, dims, dtype, monkeypatch):
     """One resumed sequence, first in the batch, all >= W-1 tokens: ONE launch reading x in place, the state
-    through the kernel's own initial_states (no rerun). Against the reference; other states hold garbage."""
+    through the kernel's own initial_states (no recompute). Against the reference; other states hold garbage."""
     lens = [5, 9, 17] if dims == "tiny" else [300, 255, 700]
     for launched, x_ptr in _conv_resumed_runs(kern, dims, dtype, lens, [True, False, False], 32, monkeypatch):
         assert launched == [x_ptr], launched

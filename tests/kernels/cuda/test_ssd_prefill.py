@@ -72,7 +72,7 @@ LONE_FIRST = ["ends-in-chunk-0", "exactly-one-chunk", "spans-chunks", "one-token
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, name, dtype, variant, resume_path):
     """The usual chunked-prefill step: one resumed chunk, first in the batch. ONE packed call with the kernels'
-    initial_states (no rerun, no correction, whatever SEPARATE_RESUMED_MAX says), including the patched final
+    initial_states (no row group, whatever the grouping limits say), including the patched final
     state of a first sequence that ends in chunk 0 -- and the mixer's form of the call (raw dt, dt_bias, limit,
     state in the pool's dtype). Oracle: the reference; unflagged states hold garbage."""
     c = case(kern, name)
@@ -100,7 +100,7 @@ def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, na
     assert_close(y2, y_r2, t, "y (raw dt)")
     for s in range(len(lens)):
         assert_close(fin2[s], fin_r2[s], 2 * tol(kern, "ssd", BF16), f"final state {s} (raw dt, bf16 pool)")
-    assert resume_path.calls == [sum(lens)] * 3, resume_path.calls  # one packed call each, nothing rerun
+    assert resume_path.calls == [sum(lens)] * 3, resume_path.calls  # one packed call each, no row group
 
 
 def _aligned_layout(variant, cs):
@@ -125,8 +125,8 @@ def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant,
                                                             monkeypatch):
     """When every sequence but the last ends where a chunk ends (one sequence always does), the final states are
     the chunk states that state passing computed: the packed call gets no cu_seqlens (no chunk_state_varlen
-    launch). Outputs and final states against the reference, through every resume path (native first sequence,
-    rerun, correction); the unaligned control still asks for the varlen states."""
+    launch). Outputs and final states against the reference, in every grouping of the resumed sequences; the
+    unaligned control still asks for the varlen states."""
     c = case(kern, name)
     lens, flags = _aligned_layout(variant, c.cs)
     x, dt, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=21)
@@ -147,7 +147,7 @@ def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant,
         if b > a:
             assert_close(y[a:b], y_r[a:b], 2 * t, f"y of sequence {s} (len {lens[s]}, init {flags[s]})")
         assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
-    assert varlen[0] == (variant == "unaligned"), varlen  # the packed call; reruns never ask for varlen states
+    assert varlen[0] == (variant == "unaligned"), varlen  # the packed call; row groups never ask for varlen states
 
 
 @pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
@@ -183,7 +183,8 @@ def test_ssd_edge_cases(kern, variant, resume_path):
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype, resume_path):
     """The mixer's call: raw dt with dt_bias and a time-step limit, processed inside the scan (the kernel's fused
-    softplus + clamp, also feeding the initial-state correction), final states returned in the pool's dtype.
+    softplus + clamp; processed on the host side for padded rows, whose padding must stay inert under the limit's
+    positive lower bound), final states returned in the pool's dtype.
     Oracle: the reference fed with process_dt's step sizes."""
     c = case(kern, name)
     lens = [c.cs + 1, 1, 2 * c.cs + 5, 3]
@@ -238,8 +239,8 @@ def _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed, pad=0):
 @pytest.mark.parametrize("name", ["tiny-g2", "real-g8"])
 def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
     """boundary_offsets (prefix caching's block boundaries, per sequence): the states after those tokens, from the
-    step's own calls (a fresh sequence's from the packed call, a resumed one's from its rerun or rows call, an
-    offset at a sequence's end its final state) or, under the correction or inside a chunk, a second pass.
+    step's own calls (a fresh sequence's from the packed call, a resumed one's from its row group's call, an
+    offset at a sequence's end its final state) or, inside a chunk of a row group's sequence, a second pass.
     Against the reference's; the outputs and final states are unchanged by asking."""
     c = case(kern, name)
     cs = c.cs

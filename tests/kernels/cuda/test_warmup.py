@@ -60,7 +60,8 @@ def test_prefill_warmup_runs_every_prefill_path_once(kern, dtype, profile_tokens
     fresh prompts (one: final states from state passing; several with a boundary inside a chunk: the varlen
     final-state kernel), a sequence shorter than W-1 (extended conv buffer), a lone resumed sequence that opens
     the batch (the packed call's own initial state) ending inside chunk 0 or on a chunk boundary, up to
-    SEPARATE_RESUMED_MAX resumed sequences (each rerun alone with its initial state), more (batched correction);
+    resumed sequences after a fresh one (row groups: one on its own tokens, several as padded rows) and a step
+    of resumed ones (row groups alone);
     each of the first four at every class of Triton's integer specialisation a step can produce (chunk count
     1 / 16k / other -- 16k only when the budget allows more than 15 chunks -- and packed length mod 16 in
     0 / 8 / 4 / 2 / 1); once per layer signature. When the profile run's batch is longer than two chunks, the

@@ -76,7 +76,7 @@ def causal_conv1d(
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
     cp = conv_plan(plan, W - 1)
     rows_ok = cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-    if rows_ok and (initial_states is None or plan.reruns_resumed()):
+    if rows_ok and (initial_states is None or plan.conv_recomputes_resumed()):
         return _in_place(x, weight, bias, plan, initial_states, silu)
     return _extended(x, weight, bias, plan, initial_states, has_initial_state, silu)
 

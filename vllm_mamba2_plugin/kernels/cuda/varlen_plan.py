@@ -1,7 +1,7 @@
 """Index plans for the CUDA prefill wrappers: built once per engine step, on the host, shipped in one copy.
 
 Every mixer layer of a step runs ``conv.causal_conv1d`` and ``ssd_prefill.ssd_chunk_scan`` on the same packed batch, so
-the index tensors they need (sequence ids, conv row layout, initial-state correction blocks) are the same for
+the index tensors they need (sequence ids, conv row layout, the row groups of resumed sequences) are the same for
 all layers. Computing them per layer cost ~20 small launches per layer and, worse, host syncs: the SSD kernels
 need sequence bounds on the host (``.tolist()`` of a device tensor waits for the GPU), and a host-to-device copy
 from pageable memory synchronises the stream too. A plan is computed from the runner's host copies of the
@@ -205,7 +205,7 @@ class VarlenPlan:
         mask."""
         return self.S > 0 and len(self.resumed) == self.S
 
-    def reruns_resumed(self) -> bool:
+    def conv_recomputes_resumed(self) -> bool:
         """The conv's choice: up to ``CONV_RECOMPUTE_MAX`` resumed sequences keep the in-place layout (each one's
         first outputs recomputed from its state); more take the extended buffer (``conv.causal_conv1d``)."""
         return len(self.resumed) <= CONV_RECOMPUTE_MAX

@@ -85,7 +85,7 @@ def prefill_layouts(chunk_size: int, tokens: int = 0) -> list:
     ``_chunk_state_fwd`` takes a tile that is slower on the 32-chunk steps where the GPU time is
     (benchmarks/ssd_autotune.py). So: two fresh prompts (the packed call), a resumed first sequence ending inside
     chunk 0 (state passing with an initial state; the varlen final-state kernel) and a resumed second sequence
-    (its rerun: the kernels without seq_idx). Their intermediates are allocated inside the profile run that
+    (its row group of one: the kernels without seq_idx). Their intermediates are allocated inside the profile run that
     sizes the state pools, as a real step of that size allocates them.
 
     Then every compile a step can need. Triton compiles a kernel per specialisation of its integer arguments
