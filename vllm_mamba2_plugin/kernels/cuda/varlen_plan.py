@@ -325,7 +325,7 @@ def _row_groups_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int]
     """The ``RowGroup``s of ``others`` (positions among the non-empty sequences): longest first, a group takes the
     next one while its padded rows fit (``_rows_fit``, every sequence counted as at least 16 tokens: a row is
     never shorter); a group of one is called on its own tokens. Adds each group's host tensors to host as
-    "g<i>_*"; returns [(its positions, (I, L) or None)]."""
+    "g<i>_*"; returns [(its sequences, (I, L) of its padded rows or None, its longest sequence's tokens)]."""
     length = {i: cu[ne[i] + 1] - cu[ne[i]] for i in others}
     members: List[List[int]] = []
     for i in sorted(others, key=lambda i: -length[i]):
