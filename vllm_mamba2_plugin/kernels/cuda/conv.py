@@ -97,8 +97,7 @@ def conv_states_at(
     if plan is None:
         return reference.conv_states_at(x, cu_seqlens, width, boundary_offsets, initial_states, has_initial_state)
     K, Dm = width - 1, x.shape[-1]
-    if plan.boundary_offsets is not boundary_offsets:
-        add_boundaries(plan, boundary_offsets)  # a plan built without the step's offsets
+    add_boundaries(plan, boundary_offsets)  # set already where the builder planned the step with them
     rows = plan.conv_boundary[K]
     out = x.index_select(0, rows.x_rows)
     if rows.pick is not None:

@@ -33,8 +33,10 @@ launches each, and vLLM's runner can send many one-token rows that carry state.
    sequence at position 0, ssd_chunk_state.py:661-675); they keep their selected initial state.
 
 Why these and no others: each resumed sequence starts from its state in the upstream kernels' own form, exact,
-and a step makes 1-3 SSD calls. Forcing every alternative through the served steps of the 2.7b and
-3072-48 shapes (benchmarks/resume_paths.sh, RESULTS.md "Resume paths") showed none winning more than 5 %.
+and a step makes few SSD calls. The alternatives this replaced (each resumed sequence rerun alone, an exact
+linear correction of a zero-state result, a first sequence leading rows where every sequence resumes), forced
+through served steps (benchmarks/prefill_steps.sh, RESULTS.md "Resume paths"), lost up to 18x on cache hits
+and won nowhere beyond the noise.
 
 Final states come in C's dtype from the kernel's varlen states (float32 from a row group's call): with bf16
 activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding of its state
@@ -52,7 +54,7 @@ import torch
 from .. import reference
 from ..reference import row_range, select_initial
 from . import upstream
-from .varlen_plan import BoundaryPlan, BoundaryRowsPlan, PaddedRows, ResumePath, VarlenPlan, add_boundaries, build_plan
+from .varlen_plan import BoundaryRowsPlan, PaddedRows, ResumePath, VarlenPlan, add_boundaries, build_plan
 
 
 def plan_prefill(
@@ -121,14 +123,13 @@ def ssd_chunk_scan(
     if plan.path is not ResumePath.NONE and initial_states is None:
         raise ValueError("the VarlenPlan has resumed sequences: pass their initial_states")
     fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
-    if boundary_offsets is not None and plan.boundary_offsets is not boundary_offsets:
-        add_boundaries(plan, boundary_offsets)  # a plan built without the step's offsets
+    if boundary_offsets is not None:
+        add_boundaries(plan, boundary_offsets)  # set already where the builder planned the step with them
     out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
     result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
     if boundary_offsets is None:
         return result
-    return (*result, _boundary_states(fwd, plan, plan.boundary, calls, result[1], initial_states, state_dtype,
-                                      (H, P, N)))
+    return (*result, _boundary_states(fwd, plan, calls, result[1], initial_states, state_dtype, (H, P, N)))
 
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):
@@ -154,14 +155,13 @@ class _Calls:
         self.packed, self.groups = None, []
 
 
-def _boundary_states(fwd: "_Forward", plan: VarlenPlan, bp: BoundaryPlan, calls: _Calls, finals, initial_states,
-                     state_dtype, hpn):
+def _boundary_states(fwd: "_Forward", plan: VarlenPlan, calls: _Calls, finals, initial_states, state_dtype, hpn):
     """The states after the first o tokens of each sequence, for each o of the step's boundary offsets, from the
-    sources of ``bp`` (``varlen_plan.BoundaryPlan``): the packed call (``_packed_states_at``), the passed states
-    (``states``, in C's dtype) of the row groups' calls, the final states (finals: (S, H, P, N) in
+    sources of ``plan.boundary`` (``varlen_plan.BoundaryPlan``): the packed call (``_packed_states_at``), the
+    passed states (``states``, in C's dtype) of the row groups' calls, the final states (finals: (S, H, P, N) in
     state_dtype) and a second pass for the rest. (M, H, P, N) in state_dtype."""
     H, P, N = hpn
-    parts = []
+    bp, parts = plan.boundary, []
     if bp.pairs is not None:
         parts.append(_packed_states_at(fwd, plan, calls.packed, bp.pairs).to(state_dtype))
     for g, idx in bp.groups.items():
