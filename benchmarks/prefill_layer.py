@@ -169,7 +169,7 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     table = step["table"]
     seq = step["context"] + step["qsl"].diff()
     qsl = step["qsl"]
-    cam = SimpleNamespace(num_reqs=R, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
+    common = SimpleNamespace(num_reqs=R, query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq, seq_lens_cpu=seq,
                           query_start_loc=qsl.to(dev), seq_lens=seq.to(dev), block_table_tensor=table.to(dev),
                           num_actual_tokens=T)
     vllm_config = SimpleNamespace(
@@ -180,7 +180,7 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
     builder = Mamba2PluginMetadataBuilder(spec, [layer.prefix], vllm_config, dev)
     for _ in range(3):  # the last of three builds: the first pays one-time costs (pinned-memory set-up)
         t = time.perf_counter()
-        meta = builder.build(0, cam)
+        meta = builder.build(0, common)
         build_us = (time.perf_counter() - t) * 1e6
     out = torch.empty(T, layer.d_inner, dtype=dtype, device=dev)
 
@@ -190,11 +190,11 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
         return out
 
     def first_layer():  # a step as the engine starts it: a fresh metadata build, then a layer planning from it
-        holder[0] = builder.build(0, cam)
+        holder[0] = builder.build(0, common)
         layer.conv_ssm_forward(step["projected"], out)
         return out
 
-    run.build = lambda: builder.build(0, cam)  # for --host-profile: where the per-step metadata build's time goes
+    run.build = lambda: builder.build(0, common)  # for --host-profile: where the per-step metadata build's time goes
     run.first_layer = first_layer  # for --host-profile's sync check: the per-step plans are built here, once
     return run, build_us
 

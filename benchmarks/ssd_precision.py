@@ -61,15 +61,17 @@ def run_one(args) -> dict:
 
     from vllm_mamba2_plugin import tiny_model
     from vllm_mamba2_plugin.kernels import reference as ref
+    from vllm_mamba2_plugin.kernels.interface import PrefillBatch
     from vllm_mamba2_plugin.kernels.cuda import upstream
 
     spec = tiny_model.GRID[args.models]
     upstream.FP32_DOT_PRECISION = args.precisions
     inp = layer_inputs(spec)
     limit = tuple(spec.time_step_limit)
-    y_ref, states_ref = ref.ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], spec.chunk_size,
-                                           inp["cu_seqlens"], D=inp["D"], dt_bias=inp["dt_bias"],
-                                           dt_limit=limit, state_dtype=torch.float64)
+    y_ref, states_ref, _ = ref.ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"],
+                                              PrefillBatch.of(inp["cu_seqlens"], chunk_size=spec.chunk_size),
+                                              D=inp["D"], dt_bias=inp["dt_bias"], dt_limit=limit,
+                                              state_dtype=torch.float64)
     dev = torch.device("cuda")
     cu = inp["cu_seqlens"].to(dev)
     seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS), dtype=torch.int32, device=dev),

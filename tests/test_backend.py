@@ -20,7 +20,7 @@ def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None, spec=None):
     return Mamba2PluginMetadataBuilder(spec, list(layers), vllm_config, torch.device("cpu"))
 
 
-def _cam(query_lens, context_lens, slots):
+def _common_metadata(query_lens, context_lens, slots):
     qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
     seq = torch.tensor(query_lens) + torch.tensor(context_lens)
     table = torch.zeros(len(slots), 4, dtype=torch.int32)
@@ -51,23 +51,26 @@ def test_decode_block_is_the_leading_run_of_one_token_rows_with_state(qlens, ctx
 def test_build_mixed_batch():
     # rows: decode(slot 7), decode(slot 2), fresh 1-token prompt (slot 5), decode (slot 9, after the break:
     # handled by the prefill path with its state), resumed 4-token chunk (slot 3), fresh 6-token prompt (slot 4)
-    meta = _builder().build(0, _cam([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4]))
+    meta = _builder().build(0, _common_metadata([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4]))
     assert (meta.num_decodes, meta.num_decode_tokens) == (2, 2)
     assert (meta.num_prefills, meta.num_prefill_tokens) == (4, 12)
     assert meta.state_indices_d.tolist() == [7, 2]
-    assert meta.state_indices_p.tolist() == [5, 9, 3, 4]
-    assert meta.query_start_loc_p.tolist() == [0, 1, 2, 6, 12]
-    assert meta.has_initial_state_p.tolist() == [False, True, True, False]
-    assert meta.num_actual_tokens == 14 and meta.chunk_size == 8
+    batch = meta.prefill
+    assert batch.slots.tolist() == [5, 9, 3, 4]
+    assert batch.cu_seqlens.tolist() == batch.cu_seqlens_cpu.tolist() == [0, 1, 2, 6, 12]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.resumes.tolist() == batch.resumes_cpu.tolist() == [False, True, True, False]
+    assert meta.num_actual_tokens == 14 and meta.chunk_size == 8 == batch.chunk_size
     assert meta.state_indices_d_i32.dtype == torch.int32 and meta.state_indices_d_i32.tolist() == [7, 2]
-    assert meta.prefill_plan is None  # the reference kernels take no plan
-    assert meta.any_initial_state_p  # a resumed chunk and a decode-like row among the prefills
+    assert batch.plan is None  # the reference kernels take no plan
+    assert batch.any_resumes  # a resumed chunk and a decode-like row among the prefills
+    assert batch.boundary_offsets is None and batch.boundary_slots is None  # no prefix caching
 
 
 def test_all_fresh_prefills_say_so_on_the_host():
-    meta = _builder().build(0, _cam([1, 5, 3], [4, 0, 0], [7, 2, 5]))
+    meta = _builder().build(0, _common_metadata([1, 5, 3], [4, 0, 0], [7, 2, 5]))
     assert (meta.num_decodes, meta.num_prefills) == (1, 2)
-    assert meta.has_initial_state_p.tolist() == [False, False] and meta.any_initial_state_p is False
+    assert meta.prefill.resumes.tolist() == [False, False] and meta.prefill.any_resumes is False
 
 
 def test_cuda_kernels_get_a_plan_from_the_host_bounds():
@@ -78,13 +81,14 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
 
     b = _builder(chunk=4)
     b.kernels = cuda
-    cam = _cam([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4])
-    cam.query_start_loc = cam.query_start_loc + 1000  # the plan must not come from the device copies
-    cam.seq_lens = cam.seq_lens + 1000
-    meta = b.build(0, cam)
-    plan = meta.prefill_plan
+    common = _common_metadata([1, 1, 1, 1, 4, 6], [3, 8, 0, 2, 12, 0], [7, 2, 5, 9, 3, 4])
+    common.query_start_loc = common.query_start_loc + 1000  # the plan must not come from the device copies
+    common.seq_lens = common.seq_lens + 1000
+    meta = b.build(0, common)
+    plan = meta.prefill.plan
     assert plan.cu == [0, 1, 2, 6, 12] and plan.init_flags == [False, True, True, False]
-    assert meta.has_initial_state_p is plan.resume_mask and plan.resume_mask.tolist() == plan.init_flags
+    assert meta.prefill.resumes is plan.resume_mask and plan.resume_mask.tolist() == plan.init_flags
+    assert meta.prefill.cu_seqlens.tolist() == [1000, 1001, 1002, 1006, 1012]  # the runner's, as they are
     assert plan.T == 12 and plan.nonempty == [0, 1, 2, 3]
     assert plan.seq_idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
     # Continuing sequences 1 (1 token) and 2 (4 tokens), after a fresh one: the padded rows of one more call,
@@ -100,10 +104,9 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
 @pytest.mark.parametrize("switch", ["1", "0"])  # FULL decode graphs on (default: graph path) or off
 def test_build_decode_only_batch_has_empty_prefill_fields(switch, monkeypatch):
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", switch)
-    meta = _builder().build(0, _cam([1, 1, 1], [3, 8, 5], [4, 6, 2]))
+    meta = _builder().build(0, _common_metadata([1, 1, 1], [3, 8, 5], [4, 6, 2]))
     assert (meta.num_decodes, meta.num_prefills, meta.num_prefill_tokens) == (3, 0, 0)
-    assert meta.state_indices_d.tolist() == [4, 6, 2] and meta.state_indices_p.numel() == 0
-    assert meta.query_start_loc_p.tolist() == [0] and meta.has_initial_state_p.numel() == 0
+    assert meta.state_indices_d.tolist() == [4, 6, 2] and meta.prefill is None
 
 
 @pytest.fixture
@@ -124,28 +127,28 @@ def test_cudagraph_support_follows_the_switch(monkeypatch):
 def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):
     builder = _builder()
     # 3 real decodes padded to a graph of 4 rows: the pad row has no tokens; its slot is PAD_SLOT (-1), skipped.
-    meta = builder.build(0, _cam([1, 1, 1, 0], [5, 2, 9, 0], [7, 3, 6, 0]))
+    meta = builder.build(0, _common_metadata([1, 1, 1, 0], [5, 2, 9, 0], [7, 3, 6, 0]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 4, 0)
     assert meta.state_indices_d.tolist() == [7, 3, 6, -1] and meta.state_indices_d_i32.tolist() == [7, 3, 6, -1]
     first_ptr = meta.state_indices_d.data_ptr()
-    meta = builder.build(0, _cam([1, 1], [4, 4], [2, 5]))
+    meta = builder.build(0, _common_metadata([1, 1], [4, 4], [2, 5]))
     assert meta.state_indices_d.tolist() == [2, 5] and meta.state_indices_d.data_ptr() == first_ptr
 
 
 def test_capture_metadata_counts_context_free_dummy_rows_as_decodes(full_graphs):
-    meta = _builder().build_for_cudagraph_capture(_cam([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]))
+    meta = _builder().build_for_cudagraph_capture(_common_metadata([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]))
     assert (meta.num_decodes, meta.num_prefills) == (4, 0)
     with pytest.raises(ValueError, match="exceeds the 4 persistent state slots"):
-        _builder().build_for_cudagraph_capture(_cam([1] * 5, [0] * 5, [0] * 5))
+        _builder().build_for_cudagraph_capture(_common_metadata([1] * 5, [0] * 5, [0] * 5))
 
 
 def test_batches_a_full_graph_cannot_replay_take_the_general_path(full_graphs):
     builder = _builder()
-    mixed = builder.build(0, _cam([1, 4], [3, 0], [2, 5]))  # a prefill row
+    mixed = builder.build(0, _common_metadata([1, 4], [3, 0], [2, 5]))  # a prefill row
     assert (mixed.num_decodes, mixed.num_prefills) == (1, 1)
-    gap = builder.build(0, _cam([1, 0, 1], [3, 0, 2], [2, 0, 5]))  # a zero-token row that is not trailing padding
+    gap = builder.build(0, _common_metadata([1, 0, 1], [3, 0, 2], [2, 0, 5]))  # a zero-token row that is not trailing padding
     assert gap.num_prefills == 2 and gap.state_indices_d.data_ptr() != builder.graph_slots.slots.data_ptr()
-    big = builder.build(0, _cam([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
+    big = builder.build(0, _common_metadata([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
     assert (big.num_decodes, big.num_prefills) == (6, 0)
     assert big.state_indices_d.data_ptr() != builder.graph_slots.slots.data_ptr()
 
@@ -159,8 +162,8 @@ def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(
     prompt read a stale state."""
     pools = {name: (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2)) for name in ("l0", "l1")}
     builder = _builder(layers=pools)
-    builder.build(0, _cam([1, 1, 1], [4, 2, 7], [1, 2, 3]))  # an earlier graph step
-    meta = builder.build(0, _cam([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))  # rows 1, 2 fresh (slot 2 reused)
+    builder.build(0, _common_metadata([1, 1, 1], [4, 2, 7], [1, 2, 3]))  # an earlier graph step
+    meta = builder.build(0, _common_metadata([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))  # rows 1, 2 fresh (slot 2 reused)
     assert (meta.num_decodes, meta.num_prefills) == (4, 0)
     assert meta.state_indices_d.data_ptr() == builder.graph_slots.slots.data_ptr()
     assert meta.state_indices_d.tolist() == [6, 2, 4, -1]
@@ -172,7 +175,7 @@ def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(
 
 def test_capture_rows_leave_the_states_alone(full_graphs):
     pools = {"l0": (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2))}
-    _builder(layers=pools).build_for_cudagraph_capture(_cam([1, 1], [0, 0], [0, 0]))
+    _builder(layers=pools).build_for_cudagraph_capture(_common_metadata([1, 1], [0, 0], [0, 0]))
     assert all(bool((p == 1).all()) for p in pools["l0"])
 
 
@@ -182,16 +185,18 @@ def test_prefix_caching_reads_the_last_block_and_lists_the_boundaries_a_prefill_
     that its tokens cross: offset (b + 1) * 4 - context in this step's tokens, and block b's slot."""
     spec = SimpleNamespace(mamba_cache_mode="align", block_size=4)
     qlens, ctx = [1, 1, 9, 3, 5], [4, 6, 0, 8, 2]  # decode crossing into block 1; decode; fresh 9; resumed; mid
-    cam = _cam(qlens, ctx, [0] * 5)
-    cam.block_table_tensor = torch.arange(100, 100 + 5 * 4, dtype=torch.int32).view(5, 4)  # row r: 100+4r+b
-    meta = _builder(spec=spec).build(0, cam)
+    common = _common_metadata(qlens, ctx, [0] * 5)
+    common.block_table_tensor = torch.arange(100, 100 + 5 * 4, dtype=torch.int32).view(5, 4)  # row r: 100+4r+b
+    meta = _builder(spec=spec).build(0, common)
     # last token's block: (seq_len - 1) // 4 with seq_lens 5, 7, 9, 11, 7
     assert meta.state_indices_d.tolist() == [101, 105]
-    assert meta.state_indices_p.tolist() == [110, 114, 117]
+    assert meta.prefill.slots.tolist() == [110, 114, 117]
     # fresh 9 tokens: boundaries 4, 8 (blocks 0, 1; its last block is 2); resumed at 8 with 3: none before
     # its last block (2); from 2 with 5 (to 7): the boundary at 4 (block 0), offset 2
-    assert meta.boundary_offsets_p == [[4, 8], [], [2]]
-    assert meta.boundary_slots_p.tolist() == [108, 109, 116]
-    plain = _builder().build(0, _cam(qlens, ctx, [7, 2, 5, 9, 3]))
-    assert plain.boundary_offsets_p is None and plain.boundary_slots_p is None
-    assert plain.state_indices_p.tolist() == [5, 9, 3]
+    assert meta.prefill.boundary_offsets == [[4, 8], [], [2]]
+    assert meta.prefill.boundary_slots.tolist() == [108, 109, 116]
+    plain = _builder().build(0, _common_metadata(qlens, ctx, [7, 2, 5, 9, 3]))
+    assert plain.prefill.boundary_offsets is None and plain.prefill.boundary_slots is None
+    assert plain.prefill.slots.tolist() == [5, 9, 3]
+    no_crossing = _builder(spec=spec).build(0, _common_metadata([1, 3], [4, 8], [0, 0]))  # a prefill inside its last block
+    assert no_crossing.prefill.boundary_offsets is None and no_crossing.prefill.boundary_slots is None

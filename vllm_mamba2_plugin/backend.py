@@ -6,9 +6,9 @@ what the mixer needs:
 
     decodes first   rows [0, num_decodes): one token each, resuming a request that already has state;
                     they go through the one-step conv/SSM updates, batched by state slot.
-    prefills after  rows [num_decodes, num_reqs): everything else, packed varlen (query_start_loc_p), each
-                    with its state slot and a has-initial-state flag (a resumed chunk, or a 1-token row that
-                    the runner sorted among prefills, starts from the state saved in its slot).
+    prefills after  rows [num_decodes, num_reqs): everything else, packed varlen, each with its state slot and
+                    a resume flag (a resumed chunk, or a 1-token row that the runner sorted among prefills,
+                    starts from the state saved in its slot): one ``kernels.interface.PrefillBatch``.
 
 The V1 runner puts rows with query_len <= reorder_batch_threshold (= 1) first, but a fresh 1-token prompt
 can sit among them and the V2 runner sorts by its own key. So the decode block is the *leading run* of rows
@@ -35,6 +35,7 @@ import torch
 from . import compat, envs
 from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
+from .kernels.interface import PrefillBatch, upload
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -72,26 +73,13 @@ class Mamba2PluginMetadata:
     chunk_size: int
     state_indices_d: torch.Tensor  # (num_decodes,) int64, state slot of each decode row
     state_indices_d_i32: torch.Tensor  # the same, int32 (the conv kernel's index type)
-    state_indices_p: torch.Tensor  # (num_prefills,) int64, state slot of each prefill row
-    query_start_loc_p: torch.Tensor  # (num_prefills + 1,) int32, token bounds, relative to the prefill block
-    has_initial_state_p: torch.Tensor  # (num_prefills,) bool, True where the row resumes saved state
-    prefill_plan: object = None  # kernels.plan_prefill of the prefill block (CUDA kernels; None otherwise)
-    any_initial_state_p: bool = True  # host copy of has_initial_state_p.any(): False lets layers skip state reads
-    # Prefix caching: per prefill row, the token counts (within this step's tokens of the row) after which a block
-    # boundary's state is kept, and the (M,) int64 slots of those blocks, in the same order. None without.
-    boundary_offsets_p: Optional[list] = None
-    boundary_slots_p: Optional[torch.Tensor] = None
+    # The prefill rows (bounds relative to the prefill block, slots, resume flags, the kernels' plan, prefix
+    # caching's boundaries); None in a decode-only step.
+    prefill: Optional[PrefillBatch] = None
 
     @property
     def num_actual_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, pinned and non-blocking on CUDA: a copy from pageable memory would make the
-    host wait for the GPU work already queued (the previous step's)."""
-    device = torch.device(device)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor) -> int:
@@ -120,8 +108,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.chunk_size = int(hf.chunk_size)
         self.conv_width = int(hf.conv_kernel)
         self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
-        self._no_prefill_qsl = torch.zeros(1, dtype=torch.int32, device=device)
-        self._no_prefill_flags = torch.zeros(0, dtype=torch.bool, device=device)
         # FULL decode graphs: persistent slot buffers, as large as the largest captured decode batch.
         self.full_decode_graphs = envs.full_decode_graphs()
         # Prefix caching (mamba_cache_mode "align", docs/prefix-caching.md): a request's running state is in the
@@ -158,27 +144,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
         slots = self._running_slots(common_attn_metadata, num_reqs)
-        plan, any_init, offsets, boundary_slots = None, False, None, None
-        if num_prefills == 0:
-            qsl_p, has_init_p = self._no_prefill_qsl, self._no_prefill_flags
-        else:
-            # Derived from the runner's device tensors rather than copied from the host copies: a host-to-
-            # device copy from pageable memory synchronises the stream, which would stall the CPU on the
-            # previous step's GPU work at every step.
-            qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
-            qsl_p = (qsl - num_decode_tokens).to(torch.int32)
-            # Which rows resume a saved state: the host flags, the one source for the CUDA kernels' plan (built
-            # from the host copies, uploaded once, shared by every layer: no host sync in the prefill path) and
-            # for the device mask the layers read (the plan's upload of the same flags).
-            has_init_cpu = context_lens[num_decodes:] > 0
-            any_init = bool(has_init_cpu.any())
-            offsets, boundary_slots = (self._boundaries(common_attn_metadata, num_decodes, context_lens,
-                                                        seq_lens_cpu) if self.prefix_caching else (None, None))
-            plan = self.kernels.plan_prefill(
-                qsl_cpu[num_decodes:] - num_decode_tokens, has_init_cpu, num_prefill_tokens,
-                self.chunk_size, self.conv_width, self.device, boundary_offsets=offsets,
-            )
-            has_init_p = upload(has_init_cpu, self.device) if plan is None else plan.resume_mask
         slots_d = slots[:num_decodes]
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
@@ -188,13 +153,29 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots_d,
             state_indices_d_i32=slots_d.to(torch.int32),
-            state_indices_p=slots[num_decodes:],
-            query_start_loc_p=qsl_p,
-            has_initial_state_p=has_init_p,
-            prefill_plan=plan,
-            any_initial_state_p=any_init,
-            boundary_offsets_p=offsets,
-            boundary_slots_p=boundary_slots,
+            prefill=self._prefill_batch(common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu,
+                                        slots[num_decodes:], num_decodes) if num_prefills else None,
+        )
+
+    def _prefill_batch(self, common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu, slots_p,
+                       num_decodes: int) -> PrefillBatch:
+        """The prefill rows' batch. Which rows resume a saved state: the host flags, the one source for the
+        kernels' plan (built from the host copies, uploaded once, shared by every layer: no host sync in the
+        prefill path) and for the device mask the layers read (the plan's upload of the same flags)."""
+        num_reqs = qsl_cpu.numel() - 1
+        num_decode_tokens = int(qsl_cpu[num_decodes])
+        # The device bounds are derived from the runner's device tensors rather than copied from the host copies:
+        # a host-to-device copy from pageable memory synchronises the stream, which would stall the CPU on the
+        # previous step's GPU work at every step.
+        qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
+        offsets, boundary_slots = None, None
+        if self.prefix_caching:
+            offsets, boundary_slots = self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
+        return PrefillBatch.build(
+            self.kernels, qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0,
+            int(qsl_cpu[num_reqs]) - num_decode_tokens, self.chunk_size, self.conv_width, self.device,
+            cu_seqlens=(qsl - num_decode_tokens).to(torch.int32), slots=slots_p,
+            boundary_offsets=offsets if boundary_slots is not None else None, boundary_slots=boundary_slots,
         )
 
     def _running_slots(self, common_attn_metadata, num_rows: int) -> torch.Tensor:
@@ -245,9 +226,6 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots,
             state_indices_d_i32=slots_i32,
-            state_indices_p=slots[:0],
-            query_start_loc_p=self._no_prefill_qsl,
-            has_initial_state_p=self._no_prefill_flags,
         )
 
     def _state_pools(self):

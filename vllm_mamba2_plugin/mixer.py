@@ -28,6 +28,7 @@ from torch import nn
 from . import compat, envs, sharding
 from .backend import Mamba2PluginBackend, Mamba2PluginMetadata
 from .kernels import get_kernels
+from .kernels.interface import PrefillBatch
 from .kernels.reference import row_range
 from .spec import Mamba2StateSpec, conv_dim, state_shapes
 
@@ -187,9 +188,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
                                           meta.state_indices_d_i32)
                 self._gated_norm(ops, y_d, z[:nd], out=out[:nd])
             y_p = self._prefill_step(ops, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state,
-                                       ssm_state, meta.state_indices_p, meta.query_start_loc_p,
-                                       meta.has_initial_state_p, meta.any_initial_state_p, meta.prefill_plan,
-                                       boundaries=(meta.boundary_offsets_p, meta.boundary_slots_p))
+                                     ssm_state, meta.prefill)
             self._gated_norm(ops, y_p, row_range(z, nd, n_tok), out=row_range(out, nd, n_tok))
         if out.shape[0] > n_tok:
             out[n_tok:] = 0
@@ -219,39 +218,33 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = ops.process_dt(dt, self.dt_bias, self.dt_limit)
         return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
-    def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, slots, qsl, has_init, any_init, plan,
-                      boundaries=(None, None)):
-        """Packed varlen prefill rows (bounds qsl, relative to xBC): conv, then the chunked SSD scan, each
-        sequence starting from its slot's state where has_init says so; final states written back by slot.
-        any_init: host copy of has_init.any() (all-fresh prompts: the slots are not read). boundaries: prefix
-        caching's (offsets per row, slots): the states after those tokens are written to those slots too."""
-        offsets, boundary_slots = boundaries
-        flags = has_init if any_init else None
-        conv_init = conv_state.index_select(0, slots) if any_init else None
+    def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, batch: PrefillBatch):
+        """The batch's packed varlen prefill rows (bounds relative to xBC): conv, then the chunked SSD scan, each
+        sequence starting from its slot's state where the batch says it resumes; final states written back by
+        slot, and with prefix caching's boundaries the states there to their slots too."""
+        slots, boundary_slots = batch.slots, batch.boundary_slots
+        any_resumes = batch.any_resumes
+        conv_init = conv_state.index_select(0, slots) if any_resumes else None
         if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
             conv_state.index_copy_(0, boundary_slots, ops.conv_states_at(
-                xBC, qsl, self.conv_kernel, offsets, conv_init, flags, plan=plan).to(conv_state.dtype))
-        xBC_p, conv_final = ops.causal_conv1d(
-            xBC, self._conv_weight(), self.conv1d.bias, qsl, initial_states=conv_init, has_initial_state=flags,
-            activation="silu", plan=plan,
-        )
+                xBC, self.conv_kernel, batch, conv_init).to(conv_state.dtype))
+        conv = ops.causal_conv1d(xBC, self._conv_weight(), self.conv1d.bias, batch, initial_states=conv_init,
+                                 activation="silu")
         # index_copy_ / index_select rather than advanced indexing: same kernels' work, a fraction of the host
         # time (prefill steps are host-bound: benchmarks/prefill_layer.py).
-        conv_state.index_copy_(0, slots, conv_final.to(conv_state.dtype))
-        x_p, B_p, C_p = self._split_xbc(xBC_p)
+        conv_state.index_copy_(0, slots, conv.final_states.to(conv_state.dtype))
+        x_p, B_p, C_p = self._split_xbc(conv.out)
         # Raw dt: the scan applies softplus(dt + dt_bias) and the limit itself (fused into its first pass),
         # and returns the final states in the pool's dtype.
         scan = ops.ssd_chunk_scan(
-            x_p, dt, self.A, B_p, C_p, self.chunk_size, qsl,
-            initial_states=ssm_state.index_select(0, slots) if any_init else None, has_initial_state=flags, D=self.D,
-            plan=plan, dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
-            **({} if boundary_slots is None else {"boundary_offsets": offsets}),
+            x_p, dt, self.A, B_p, C_p, batch,
+            initial_states=ssm_state.index_select(0, slots) if any_resumes else None, D=self.D,
+            dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
         )
-        y_p, ssm_final, *boundary_states = scan  # boundary states: with boundary_offsets only
-        ssm_state.index_copy_(0, slots, ssm_final)
+        ssm_state.index_copy_(0, slots, scan.final_states)
         if boundary_slots is not None:
-            ssm_state.index_copy_(0, boundary_slots, boundary_states[0])
-        return y_p
+            ssm_state.index_copy_(0, boundary_slots, scan.boundary_states)
+        return scan.y
 
     def _gated_norm(self, ops, y, z, out=None):
         """The gated norm into ``out``; when the group spans the TP ranks, y itself (forward() norms it)."""
@@ -274,17 +267,16 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         caching's): the states after those tokens go to the slots after the sequences', in order. Returns the
         normed output (sum(lengths), d_inner). kernels: the kernel module (default: the device's)."""
         ops = kernels or get_kernels(rows.device)
-        cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)  # host bounds, as the builder's
-        T, flags, dev = int(cu[-1]), torch.tensor(resumed), rows.device
+        cu = torch.tensor([0] + list(lengths)).cumsum(0)  # host bounds, as the builder's
+        T, S, dev = int(cu[-1]), len(lengths), rows.device
         z, xBC, dt = self._split_projection(rows)
-        plan = ops.plan_prefill(cu, flags, T, self.chunk_size, self.conv_kernel, dev, boundary_offsets=boundary_offsets)
-        slots = torch.arange(first_slot, first_slot + len(lengths), device=dev)
-        boundary_slots = None
-        if boundary_offsets is not None:
-            M = sum(len(offs) for offs in boundary_offsets)
-            boundary_slots = torch.arange(first_slot + len(lengths), first_slot + len(lengths) + M, device=dev)
-        y = self._prefill_step(ops, xBC, dt, conv_pool, ssm_pool, slots, cu.to(dev), flags.to(dev),
-                                 bool(flags.any()), plan, boundaries=(boundary_offsets, boundary_slots))
+        M = sum(len(offs) for offs in boundary_offsets or [])
+        boundary_offsets = boundary_offsets if M else None  # as the builder's: offsets only where states are kept
+        boundary_slots = torch.arange(first_slot + S, first_slot + S + M, device=dev) if M else None
+        batch = PrefillBatch.build(ops, cu, torch.tensor(resumed, dtype=torch.bool), T, self.chunk_size,
+                                   self.conv_kernel, dev, slots=torch.arange(first_slot, first_slot + S, device=dev),
+                                   boundary_offsets=boundary_offsets, boundary_slots=boundary_slots)
+        y = self._prefill_step(ops, xBC, dt, conv_pool, ssm_pool, batch)
         return self._gated_norm(ops, y, z, out=rows.new_empty(T, self.d_inner))
 
     def run_decode_rows(self, rows, slots, conv_pool, ssm_pool):

@@ -195,6 +195,7 @@ def _forward_logits(w: dict, spec: TinyMamba2Spec, ids: torch.Tensor, cu: torch.
     """Training forward over packed sequences (ids: (T,), bounds cu), with the plugin's reference kernels
     (plain differentiable torch). Same math as the served model; used only to fit the demo weights."""
     from .kernels import reference as ref
+    from .kernels.interface import PrefillBatch
 
     def rms(h, weight):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
@@ -203,17 +204,17 @@ def _forward_logits(w: dict, spec: TinyMamba2Spec, ids: torch.Tensor, cu: torch.
     d_inner = H * P
     h = w["backbone.embeddings.weight"][ids]
     residual = torch.zeros_like(h)
+    batch = PrefillBatch.of(cu, chunk_size=spec.chunk_size)
     for i in range(spec.num_hidden_layers):
         p = f"backbone.layers.{i}."
         residual = residual + h
         proj = rms(residual, w[p + "norm.weight"]) @ w[p + "mixer.in_proj.weight"].T
         z, xBC, dt = torch.split(proj, [d_inner, d_inner + 2 * G * N, H], dim=-1)
-        xBC, _ = ref.causal_conv1d(xBC, w[p + "mixer.conv1d.weight"][:, 0], w.get(p + "mixer.conv1d.bias"), cu)
+        xBC = ref.causal_conv1d(xBC, w[p + "mixer.conv1d.weight"][:, 0], w.get(p + "mixer.conv1d.bias"), batch).out
         x, B, C = torch.split(xBC, [d_inner, G * N, G * N], dim=-1)
         dt = ref.process_dt(dt, w[p + "mixer.dt_bias"], spec.time_step_limit)
-        y, _ = ref.ssd_chunk_scan(x.reshape(-1, H, P), dt, -torch.exp(w[p + "mixer.A_log"]),
-                                  B.reshape(-1, G, N), C.reshape(-1, G, N), spec.chunk_size, cu,
-                                  D=w[p + "mixer.D"])
+        y = ref.ssd_chunk_scan(x.reshape(-1, H, P), dt, -torch.exp(w[p + "mixer.A_log"]),
+                               B.reshape(-1, G, N), C.reshape(-1, G, N), batch, D=w[p + "mixer.D"]).y
         y = ref.gated_rms_norm(y.reshape(-1, d_inner), z, w[p + "mixer.norm.weight"], 1e-5, d_inner // G)
         h = y @ w[p + "mixer.out_proj.weight"].T
     head = w.get("lm_head.weight", w["backbone.embeddings.weight"])

@@ -33,8 +33,8 @@ def test_a_prefix_caching_step_gives_each_request_a_block_per_block_size_tokens(
         run()
     meta = holder[0]
     # Resumed after 100 tokens: the boundary at 256 is 156 tokens in; the fresh prompt crosses 256 and 512.
-    assert meta.boundary_offsets_p == [[156], [256, 512]]
-    assert meta.boundary_slots_p.tolist() == [int(table[0, 0]), int(table[1, 0]), int(table[1, 1])]
+    assert meta.prefill.boundary_offsets == [[156], [256, 512]]
+    assert meta.prefill.boundary_slots.tolist() == [int(table[0, 0]), int(table[1, 0]), int(table[1, 1])]
 
 
 def test_without_blocks_each_request_owns_one_slot():
@@ -61,7 +61,7 @@ def test_a_steps_first_layer_builds_its_metadata_afresh_and_computes_the_same_la
             layer.kv_cache = prefill_layer.fresh_pools(step, torch.float32, torch.device("cpu"))
             outs.append(fn().clone())
             metas.append(holder[0])
-    assert metas[0] is not metas[1] and metas[1].boundary_offsets_p == metas[0].boundary_offsets_p
+    assert metas[0] is not metas[1] and metas[1].prefill.boundary_offsets == metas[0].prefill.boundary_offsets
     assert torch.equal(outs[0], outs[1])
 
 

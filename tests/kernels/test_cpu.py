@@ -6,6 +6,7 @@ import torch
 
 from vllm_mamba2_plugin import tiny_model
 from vllm_mamba2_plugin.kernels import cpu, get_kernels, reference
+from vllm_mamba2_plugin.kernels.interface import PrefillBatch
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="this vLLM has no CPU Mamba decode ops")
 
@@ -80,7 +81,7 @@ def test_auto_selection_picks_the_cpu_ops_and_the_switch_the_reference(monkeypat
     assert get_kernels(torch.device("cpu")) is reference
 
 
-def _scan_inputs(H, P, G, N, dtype, seed=1):
+def _scan_inputs(H, P, G, N, dtype, chunk_size=64, boundary_offsets=None, seed=1):
     """A packed prefill: sequences of 3, 100, 0, 70 and 1 tokens (the empty one keeps its state), 4 padding
     tokens after them; x, B, C views of one projection, as the mixer hands them over."""
     g = torch.Generator().manual_seed(seed)
@@ -90,9 +91,10 @@ def _scan_inputs(H, P, G, N, dtype, seed=1):
     proj = torch.randn(T, H * P + 2 * G * N, generator=g).to(dtype)
     x, Bm, Cm = proj.split([H * P, G * N, G * N], dim=1)
     return dict(x=x.view(T, H, P), dt=torch.randn(T, H, generator=g).to(dtype), A=-torch.rand(H, generator=g) - 0.5,
-                B=Bm.view(T, G, N), C=Cm.view(T, G, N), cu_seqlens=cu,
-                initial_states=torch.randn(len(lens), H, P, N, generator=g) * 0.1,
-                has_initial_state=torch.tensor([True, False, True, True, False]), D=torch.randn(H, generator=g),
+                B=Bm.view(T, G, N), C=Cm.view(T, G, N),
+                batch=PrefillBatch.of(cu, [True, False, True, True, False], chunk_size,
+                                      boundary_offsets=boundary_offsets),
+                initial_states=torch.randn(len(lens), H, P, N, generator=g) * 0.1, D=torch.randn(H, generator=g),
                 dt_bias=torch.randn(H, generator=g))
 
 
@@ -100,25 +102,26 @@ def _scan_inputs(H, P, G, N, dtype, seed=1):
 def test_the_prefill_scan_matches_the_reference(shape):
     H, P, G, N, _ = SHAPES[shape]
     spec = tiny_model.GRID[shape]
-    t = _scan_inputs(H, P, G, N, torch.float32)
+    t = _scan_inputs(H, P, G, N, torch.float32, spec.chunk_size)
     before = t["initial_states"].clone()
-    got = cpu.ssd_chunk_scan(**t, chunk_size=spec.chunk_size, dt_limit=spec.time_step_limit)
-    want = reference.ssd_chunk_scan(**t, chunk_size=spec.chunk_size, dt_limit=spec.time_step_limit)
-    for a, b in zip(got, want):
+    got = cpu.ssd_chunk_scan(**t, dt_limit=spec.time_step_limit)
+    want = reference.ssd_chunk_scan(**t, dt_limit=spec.time_step_limit)
+    for a, b in zip(got[:2], want[:2]):
         _close(a, b, 1e-5)
-    assert torch.equal(t["initial_states"], before) and not got[0][-4:].any()
+    assert got.boundary_states is None
+    assert torch.equal(t["initial_states"], before) and not got.y[-4:].any()
 
 
 def test_the_prefill_scan_in_bfloat16_and_prefix_caching_goes_to_the_reference(monkeypatch):
     t = _scan_inputs(*SHAPES["n32g4"][:4], torch.bfloat16)
-    for a, b in zip(cpu.ssd_chunk_scan(**t, chunk_size=64, state_dtype=torch.bfloat16),
-                    reference.ssd_chunk_scan(**t, chunk_size=64, state_dtype=torch.bfloat16)):
+    for a, b in zip(cpu.ssd_chunk_scan(**t, state_dtype=torch.bfloat16)[:2],
+                    reference.ssd_chunk_scan(**t, state_dtype=torch.bfloat16)[:2]):
         _close(a, b, 2 ** -6)
     called = []
     real = reference.ssd_chunk_scan
     monkeypatch.setattr(reference, "ssd_chunk_scan", lambda *a, **k: (called.append(1), real(*a, **k))[1])
-    offsets = [[], [64], [], [], []]
-    y, fin, states = cpu.ssd_chunk_scan(**t, chunk_size=64, boundary_offsets=offsets)
+    t = _scan_inputs(*SHAPES["n32g4"][:4], torch.bfloat16, boundary_offsets=[[], [64], [], [], []])
+    y, fin, states = cpu.ssd_chunk_scan(**t)
     assert called and states.shape[0] == 1
 
 
@@ -134,14 +137,16 @@ def test_the_prefill_conv_matches_the_reference(shape, dtype, tol):
     init = torch.randn(len(lens), W - 1, D, generator=g).to(dtype)
     has = torch.tensor([True, True, False, True, False])
     w, b = (torch.randn(D, W, generator=g) * 0.5).to(dtype), torch.randn(D, generator=g).to(dtype)
+    batch = PrefillBatch.of(cu, has)
     for bias, act in ((b, "silu"), (None, None)):
-        got = cpu.causal_conv1d(x, w, bias, cu, init, has, act)
-        want = reference.causal_conv1d(x, w, bias, cu, init, has, act)
+        got = cpu.causal_conv1d(x, w, bias, batch, init, act)
+        want = reference.causal_conv1d(x, w, bias, batch, init, act)
         for a, e in zip(got, want):
             assert a.dtype == e.dtype and a.shape == e.shape
             _close(a, e, tol)
         assert not got[0][int(cu[-1]):].any()  # padding tokens stay 0
-    _close(cpu.causal_conv1d(x, w, b, cu)[1], reference.causal_conv1d(x, w, b, cu)[1], 0)  # no states: zeros
+    fresh = PrefillBatch.of(cu)  # no states: zeros
+    _close(cpu.causal_conv1d(x, w, b, fresh).final_states, reference.causal_conv1d(x, w, b, fresh).final_states, 0)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)], ids=["f32", "bf16"])

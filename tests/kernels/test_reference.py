@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba2_plugin.kernels.interface import PrefillBatch
 from vllm_mamba2_plugin.kernels.reference import (
     causal_conv1d,
     conv_states_at,
@@ -118,6 +119,10 @@ def cu_of(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
 
 
+def batch_of(lens, resumes=None, chunk_size=4, boundary_offsets=None):
+    return PrefillBatch.of(cu_of(lens), resumes, chunk_size, boundary_offsets=boundary_offsets)
+
+
 def ssm_inputs(T, G, dtype=torch.float32):
     x = torch.randn(T, H, P).to(dtype)
     dt = torch.rand(T, H) * 0.6 + 0.02  # processed dt: positive
@@ -175,7 +180,7 @@ def test_ssd_chunk_scan_varlen_mixed_initial_states(chunk_size, n_groups):
     has = torch.tensor([True, False, True, False, True])
     init = garbage_initial((len(lens), H, P, N), has)
 
-    y, fin = ssd_chunk_scan(x, dt, A, B, C, cs, cu_of(lens), init, has, D)
+    y, fin, _ = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has, cs), init, D)
 
     y_ref, fin_ref = oracle_ssm(x, dt, A, B, C, lens, [init[s] if has[s] else None for s in range(5)], D)
     assert y.dtype == x.dtype and fin.dtype == torch.float32
@@ -191,8 +196,8 @@ def test_ssd_chunk_scan_raw_dt_with_bias_and_limit_and_state_dtype():
     lens = [5, 1, 12]
     x, _, A, B, C = ssm_inputs(sum(lens), 2)
     raw, bias, limit = torch.randn(sum(lens), H) * 2, torch.randn(H), (0.05, 0.8)
-    y, fin = ssd_chunk_scan(x, raw, A, B, C, 4, cu_of(lens), dt_bias=bias, dt_limit=limit,
-                            state_dtype=torch.bfloat16)
+    y, fin, _ = ssd_chunk_scan(x, raw, A, B, C, batch_of(lens), dt_bias=bias, dt_limit=limit,
+                               state_dtype=torch.bfloat16)
     y_ref, fin_ref = oracle_ssm(x, process_dt(raw, bias, limit), A, B, C, lens)
     assert fin.dtype == torch.bfloat16
     assert_close(y, y_ref)
@@ -203,24 +208,27 @@ def test_ssd_chunk_scan_no_initial_states_no_D():
     torch.manual_seed(1)
     lens = [5, 1, 12, 4]
     x, dt, A, B, C = ssm_inputs(sum(lens), 2)
-    y, fin = ssd_chunk_scan(x, dt, A, B, C, 4, cu_of(lens))
+    res = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens))
+    assert res.boundary_states is None  # none asked for
+    y, fin = res.y, res.final_states
     y_ref, fin_ref = oracle_ssm(x, dt, A, B, C, lens)
     assert_close(y, y_ref)
     assert_close(fin, fin_ref)
 
 
-def test_ssd_chunk_scan_has_initial_state_none_means_all():
+def test_ssd_chunk_scan_every_sequence_resuming():
     torch.manual_seed(2)
     lens = [3, 9, 6]
     x, dt, A, B, C = ssm_inputs(sum(lens), 1)
     init = torch.randn(3, H, P, N) * 3
-    y, fin = ssd_chunk_scan(x, dt, A, B, C, 4, cu_of(lens), init, None)
+    y, fin, _ = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, True), init)
     y_ref, fin_ref = oracle_ssm(x, dt, A, B, C, lens, list(init))
     assert_close(y, y_ref)
     assert_close(fin, fin_ref)
     # ... and it does matter: zero initial states give something else.
-    y0, _ = ssd_chunk_scan(x, dt, A, B, C, 4, cu_of(lens))
+    y0 = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens)).y
     assert (y0 - y).abs().max().item() > 1e-2
+    assert torch.equal(ssd_chunk_scan(x, dt, A, B, C, batch_of(lens), init).y, y0)  # not resuming: not read
 
 
 def test_ssd_chunk_scan_chunk_size_invariant_and_empty_sequence():
@@ -229,9 +237,9 @@ def test_ssd_chunk_scan_chunk_size_invariant_and_empty_sequence():
     x, dt, A, B, C = ssm_inputs(sum(lens), 2)
     has = torch.tensor([True, True, False])
     init = garbage_initial((3, H, P, N), has)
-    outs = [ssd_chunk_scan(x, dt, A, B, C, cs, cu_of(lens), init, has) for cs in (1, 3, 4, 64)]
+    outs = [ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has, cs), init) for cs in (1, 3, 4, 64)]
     y_ref, fin_ref = oracle_ssm(x, dt, A, B, C, lens, [init[0], init[1], None])
-    for y, fin in outs:
+    for y, fin, _ in outs:
         assert_close(y, y_ref)
         assert_close(fin, fin_ref)
         assert torch.equal(fin[1], init[1])
@@ -249,8 +257,8 @@ def test_ssd_chunk_scan_boundary_states_match_the_recurrence(chunk_size):
     has = torch.tensor([True, False, True, False, False])
     init = garbage_initial((len(lens), H, P, N), has)
     offsets = [[chunk_size, 2 * chunk_size, 3 * chunk_size + 5], [1, 6], [chunk_size], [], [3, 2 * chunk_size]]
-    y, fin, at = ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has, boundary_offsets=offsets)
-    y0, fin0 = ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has)
+    y, fin, at = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has, chunk_size, offsets), init)
+    y0, fin0, _ = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has, chunk_size), init)
     assert_close(y, y0)
     assert_close(fin, fin0)
     assert at.shape == (sum(map(len, offsets)), H, P, N) and at.dtype == torch.float32
@@ -263,7 +271,7 @@ def test_ssd_chunk_scan_boundary_states_match_the_recurrence(chunk_size):
             want.append(f[0])
     assert_close(at, torch.stack(want))
     with pytest.raises(ValueError, match="outside a sequence"):
-        ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_of(lens), init, has, boundary_offsets=[[0]] + offsets[1:])
+        ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has, chunk_size, [[0]] + offsets[1:]), init)
 
 
 def test_conv_states_at_boundaries_match_the_recurrence():
@@ -275,7 +283,7 @@ def test_conv_states_at_boundaries_match_the_recurrence():
     has = torch.tensor([True, True, False])
     init = garbage_initial((3, W - 1, Dm), has)
     offsets = [[1, 4, 9], [2], [1, 5]]
-    got = conv_states_at(u, cu_of(lens), W, offsets, init, has)
+    got = conv_states_at(u, W, batch_of(lens, has, boundary_offsets=offsets), init)
     want, starts = [], cu_of(lens).tolist()
     for s, offs in enumerate(offsets):
         for o in offs:
@@ -302,7 +310,7 @@ def test_causal_conv1d_varlen(width, with_bias, activation):
     has = torch.tensor([True, False, True, True, False])
     init = garbage_initial((len(lens), width - 1, Dm), has)
 
-    out, fin = causal_conv1d(u, w, b, cu_of(lens), init, has, activation=activation)
+    out, fin = causal_conv1d(u, w, b, batch_of(lens, has), init, activation=activation)
 
     out_ref, fin_ref = oracle_conv(u, w, b, lens, [init[s] if has[s] else None for s in range(5)], activation)
     assert out.dtype == u.dtype and fin.dtype == u.dtype
@@ -322,7 +330,7 @@ def test_causal_conv1d_no_initial_states():
     u = torch.randn(sum(lens), Dm)
     w = torch.randn(Dm, W)
     b = torch.randn(Dm)
-    out, fin = causal_conv1d(u, w, b, cu_of(lens))
+    out, fin = causal_conv1d(u, w, b, batch_of(lens))
     out_ref, fin_ref = oracle_conv(u, w, b, lens)
     assert_close(out, out_ref)
     assert_close(fin, fin_ref)
@@ -470,10 +478,11 @@ class Core:
         return xs.reshape(T, H, P), B.reshape(T, self.G, N), C.reshape(T, self.G, N)
 
     def prefill(self, u, dt_raw, lens, conv_init=None, ssm_init=None, has=None):
-        c, conv_fin = causal_conv1d(u, self.w, self.b, cu_of(lens), conv_init, has)
+        resumes = has if has is not None else conv_init is not None
+        c, conv_fin = causal_conv1d(u, self.w, self.b, batch_of(lens, resumes), conv_init)
         xs, B, C = self.split(c)
         dt = process_dt(dt_raw, self.dt_bias)
-        y, ssm_fin = ssd_chunk_scan(xs, dt, self.A, B, C, self.cs, cu_of(lens), ssm_init, has, self.D)
+        y, ssm_fin, _ = ssd_chunk_scan(xs, dt, self.A, B, C, batch_of(lens, resumes, self.cs), ssm_init, self.D)
         return y, conv_fin, ssm_fin
 
     def decode(self, u, dt_raw, conv_pool, ssm_pool, idx):
@@ -586,7 +595,7 @@ def test_bf16_smoke():
     D = torch.randn(H)
     has = torch.tensor([True, False, True])
     init = garbage_initial((3, H, P, N), has)
-    y, fin = ssd_chunk_scan(x, dt, A, B, C, 4, cu_of(lens), init, has, D)
+    y, fin, _ = ssd_chunk_scan(x, dt, A, B, C, batch_of(lens, has), init, D)
     assert y.dtype == bf and fin.dtype == torch.float32
     y_ref, fin_ref = oracle_ssm(x, dt, A, B, C, lens, [init[0], None, init[2]], D)
     assert_close(y, y_ref, rtol=tol)
@@ -597,7 +606,7 @@ def test_bf16_smoke():
     w = torch.randn(Dm, W).to(bf)
     b = torch.randn(Dm).to(bf)
     cinit = garbage_initial((3, W - 1, Dm), has).to(bf)
-    out, cfin = causal_conv1d(u, w, b, cu_of(lens), cinit, has)
+    out, cfin = causal_conv1d(u, w, b, batch_of(lens, has), cinit)
     assert out.dtype == bf and cfin.dtype == bf
     out_ref, cfin_ref = oracle_conv(u, w, b, lens, [cinit[0], None, cinit[2]])
     assert_close(out, out_ref, rtol=tol)

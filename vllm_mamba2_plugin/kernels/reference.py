@@ -33,6 +33,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .interface import ConvResult, PrefillBatch, ScanResult
+
 __all__ = [
     "segsum",
     "plan_prefill",
@@ -70,10 +72,9 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, float("-inf"))
 
 
-def seq_bounds(cu_seqlens: torch.Tensor) -> list:
-    """cu_seqlens on the host, checked non-decreasing."""
-    # The one host sync we cannot avoid: chunk counts and gather indices are shape decisions.
-    cu = cu_seqlens.tolist()
+def seq_bounds(batch: PrefillBatch) -> list:
+    """The batch's host bounds as a list, checked non-decreasing."""
+    cu = batch.cu_seqlens_cpu.tolist()
     if any(b < a for a, b in zip(cu[:-1], cu[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
     return cu
@@ -81,7 +82,7 @@ def seq_bounds(cu_seqlens: torch.Tensor) -> list:
 
 def plan_prefill(cu_seqlens_cpu, has_initial_state_cpu, num_tokens, chunk_size, conv_width, device,
                  boundary_offsets=None):
-    """The reference kernels work from cu_seqlens directly: no per-step plan (see cuda.plan_prefill)."""
+    """The reference kernels work from the batch's bounds directly: no per-step plan (see cuda.plan_prefill)."""
     return None
 
 
@@ -136,33 +137,29 @@ def ssd_chunk_scan(
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    chunk_size: int,
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
-    plan: object = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_limit: Tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype = torch.float32,
-    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
-):
+) -> ScanResult:
     """Chunked SSD scan over a packed varlen batch.
 
     x: (T, H, P)  dt: (T, H) already processed (softplus(dt+bias), clamped) -- positive step sizes; or raw
       when dt_bias (H,) is given: then dt = process_dt(dt, dt_bias, dt_limit) first
     A: (H,) negative reals   B, C: (T, G, N) with H % G == 0 (head h uses group h // (H//G))
-    cu_seqlens: (S+1,) int  sequence boundaries in the packed token dim
-    initial_states: (S, H, P, N) or None; has_initial_state: (S,) bool or None (None = all True if
-      initial_states given). Rows with has_initial_state False start from zeros EVEN IF initial_states holds
-      garbage (NaN/inf included).
+    batch: the sequence bounds (S+1,) in the packed token dim, which sequences resume, the chunk length
+      (``interface.PrefillBatch``)
+    initial_states: (S, H, P, N) or None (zeros). Sequences that do not resume (batch.resumes False) start
+      from zeros EVEN IF initial_states holds garbage (NaN/inf included).
     D: (H,) (or (H, P)) or None -> y += D[h] * x
-    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (computed in float32)
+    returns ScanResult: y (T, H, P) in x.dtype, final_states (S, H, P, N) in state_dtype (computed in float32)
     Tokens outside [cu_seqlens[0], cu_seqlens[-1]) (e.g. padding) get y = 0.
-    boundary_offsets: per sequence, token counts 0 < o <= its length (ascending); then a third result,
-    (M, H, P, N) in state_dtype: the state after the first o tokens of each, in order (M offsets in all).
-    (Prefix caching keeps the states at block boundaries.) They are the states entering chunks: the chunk
-    length is cut to divide every offset, which changes the cost, not the result.
+    With batch.boundary_offsets (per sequence, token counts 0 < o <= its length, ascending) also
+    boundary_states, (M, H, P, N) in state_dtype: the state after the first o tokens of each, in order (M
+    offsets in all). (Prefix caching keeps the states at block boundaries.) They are the states entering
+    chunks: the chunk length is cut to divide every offset, which changes the cost, not the result.
 
     Recurrence: h_t = exp(dt_t*A) h_{t-1} + dt_t * x_t ⊗ B_t ; y_t = h_t · C_t (+ D x_t).
 
@@ -179,13 +176,14 @@ def ssd_chunk_scan(
     T, H, P = x.shape
     G, N = B.shape[-2], B.shape[-1]
     R = heads_per_group(H, G)  # heads per group
-    cs = int(chunk_size)
+    cs = int(batch.chunk_size)
     if cs <= 0:
         raise ValueError("chunk_size must be positive")
     dev = x.device
     f32 = torch.float32
+    boundary_offsets = batch.boundary_offsets
 
-    cu = seq_bounds(cu_seqlens)
+    cu = seq_bounds(batch)
     S = len(cu) - 1
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     # The result does not depend on the chunk length, only the cost does: when every sequence is shorter
@@ -200,13 +198,11 @@ def ssd_chunk_scan(
 
     if dt_bias is not None:
         dt = process_dt(dt, dt_bias, dt_limit)
-    h0 = select_initial(initial_states, has_initial_state, (S, H, P, N), f32, dev)
+    h0 = select_initial(initial_states, batch.resumes, (S, H, P, N), f32, dev)
 
-    if n_chunks == 0:
-        if boundary_offsets is not None:
-            none = h0.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
-            return x.new_zeros(T, H, P), h0.to(state_dtype, copy=True), none
-        return x.new_zeros(T, H, P), h0.to(state_dtype, copy=True)
+    if n_chunks == 0:  # every offset is > 0: no sequence has one
+        none = None if boundary_offsets is None else h0.new_zeros(0, H, P, N, dtype=state_dtype)
+        return ScanResult(x.new_zeros(T, H, P), h0.to(state_dtype, copy=True), none)
 
     # ---- gather tokens into (c, l) chunk layout; index T points at an all-zero pad row ----------------
     seq_lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
@@ -277,12 +273,12 @@ def ssd_chunk_scan(
     y = torch.zeros(T + 1, H, P, dtype=f32, device=dev)
     y[tok.reshape(-1)] = Y.reshape(n_chunks * cs, H, P)
     if boundary_offsets is None:
-        return y[:T].to(x.dtype), final_states.to(state_dtype)
+        return ScanResult(y[:T].to(x.dtype), final_states.to(state_dtype))
     # The state after o tokens of sequence s enters its chunk o // cs (the final state when o is its length).
     entering = torch.stack(incoming + [h], dim=1).view(S, max_nch + 1, H, P, N)
     rows = [(s, o // cs) for s, offs in enumerate(boundary_offsets) for o in offs]
     at = entering[[r for r, _ in rows], [k for _, k in rows]] if rows else entering.new_zeros(0, H, P, N)
-    return y[:T].to(x.dtype), final_states.to(state_dtype), at.to(state_dtype)
+    return ScanResult(y[:T].to(x.dtype), final_states.to(state_dtype), at.to(state_dtype))
 
 
 def _boundary_chunk(cs: int, lens: list, boundary_offsets) -> int:
@@ -324,22 +320,19 @@ def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
-    plan: object = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> ConvResult:
     """Depthwise causal conv over a packed varlen batch.
 
-    x: (T, D)  weight: (D, W)  bias: (D,) or None
+    x: (T, D)  weight: (D, W)  bias: (D,) or None  batch: bounds (from 0) and resume flags
     initial_states: (S, W-1, D) or None -- the last W-1 inputs before each sequence, oldest first
-      ("SD" layout: dim innermost)
-    has_initial_state: (S,) bool or None -- rows with False use zeros (garbage-safe)
+      ("SD" layout: dim innermost); sequences that do not resume use zeros (garbage-safe)
     activation: "silu" or None
-    returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype: the last W-1 inputs of each
-      sequence, including initial-state entries when the sequence is shorter than W-1 (zeros if no initial
-      state). Tokens outside [cu_seqlens[0], cu_seqlens[-1]) get out = 0.
+    returns ConvResult: out (T, D) in x.dtype, final_states (S, W-1, D) in x.dtype: the last W-1 inputs of
+      each sequence, including initial-state entries when the sequence is shorter than W-1 (zeros if no
+      initial state). Tokens outside [cu_seqlens[0], cu_seqlens[-1]) get out = 0.
 
     out_t = act(bias + sum_{k=0..W-1} weight[:, k] * u_{t-(W-1)+k}), where u is the sequence preceded by its
     W-1 state inputs; weight[:, W-1] multiplies the current token (causal-conv1d / nn.Conv1d convention).
@@ -353,7 +346,7 @@ def causal_conv1d(
     dev = x.device
     f32 = torch.float32
 
-    cu = seq_bounds(cu_seqlens)
+    cu = seq_bounds(batch)
     S = len(cu) - 1
     if cu[0] != 0 and S > 0:
         raise ValueError("cu_seqlens must start at 0")
@@ -361,9 +354,9 @@ def causal_conv1d(
     if T_used > T:
         raise ValueError(f"cu_seqlens ends at {T_used} but x has only {T} tokens")
 
-    init = select_initial(initial_states, has_initial_state, (S, K, Dm), f32, dev)  # (S, K, D)
+    init = select_initial(initial_states, batch.resumes, (S, K, Dm), f32, dev)  # (S, K, D)
     if T_used == 0:  # nothing to convolve: every final state is its (selected) initial state
-        return x.new_zeros(T, Dm), init.to(x.dtype)
+        return ConvResult(x.new_zeros(T, Dm), init.to(x.dtype))
 
     lens = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], dtype=torch.long, device=dev)
     seq_of_tok = torch.repeat_interleave(torch.arange(S, device=dev), lens)  # (T_used,)
@@ -393,28 +386,28 @@ def causal_conv1d(
     end_row = torch.tensor(cu[1:], dtype=torch.long, device=dev) + (torch.arange(S, device=dev) + 1) * K
     final_rows = end_row[:, None] - K + torch.arange(K, device=dev)[None, :]  # (S, K)
     final_states = ext[final_rows.reshape(-1)].view(S, K, Dm).to(x.dtype)
-    return out, final_states
+    return ConvResult(out, final_states)
 
 
 def conv_states_at(
     x: torch.Tensor,
-    cu_seqlens: torch.Tensor,
     width: int,
-    boundary_offsets: Sequence[Sequence[int]],
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
-    plan=None,
 ) -> torch.Tensor:
-    """The conv state after the first o tokens of each sequence, for each o of ``boundary_offsets`` (per
+    """The conv state after the first o tokens of each sequence, for each o of ``batch.boundary_offsets`` (per
     sequence, 0 < o <= its length): its last W-1 inputs, reaching into the initial state when o < W-1.
 
-    x: (T, D) conv inputs  cu_seqlens: (S+1,)  initial_states: (S, W-1, D) or None  has_initial_state: (S,)
+    x: (T, D) conv inputs  initial_states: (S, W-1, D) or None (sequences that do not resume: zeros)
     returns (M, W-1, D) in x.dtype, in the order of the offsets (M in all). (Prefix caching keeps them at
-    block boundaries.) plan: unused here (the CUDA version's step plan)."""
-    cu = seq_bounds(cu_seqlens)
+    block boundaries.)"""
+    cu = seq_bounds(batch)
     S, K, Dm = len(cu) - 1, width - 1, x.shape[-1]
+    boundary_offsets = batch.boundary_offsets
+    if boundary_offsets is None:
+        raise ValueError("the batch has no boundary offsets")
     _check_offsets([b - a for a, b in zip(cu[:-1], cu[1:])], boundary_offsets)
-    init = select_initial(initial_states, has_initial_state, (S, K, Dm), x.dtype, x.device)
+    init = select_initial(initial_states, batch.resumes, (S, K, Dm), x.dtype, x.device)
     out = []
     for s, offs in enumerate(boundary_offsets):
         seq = torch.cat([init[s], x[cu[s]: cu[s + 1]]])  # (K + len, D): the state rows, then the inputs

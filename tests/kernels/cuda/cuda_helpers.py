@@ -151,6 +151,16 @@ def cu_of(lens, dev):
     return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
 
 
+def batch_of(lens, flags, dev, chunk_size=8, *, planned=True, num_tokens=None, conv_width=4, boundary_offsets=None):
+    """The PrefillBatch of sequences of these lengths: planned by the CUDA kernels (the metadata builder's form),
+    or not (the ops then plan the call themselves). num_tokens: x's tokens, default sum(lens)."""
+    from vllm_mamba2_plugin.kernels import cuda as ck
+    from vllm_mamba2_plugin.kernels.interface import PrefillBatch
+
+    return PrefillBatch.of(cu_of(lens, dev), flags, chunk_size, device=dev, kernels=ck if planned else None,
+                           conv_width=conv_width, num_tokens=num_tokens, boundary_offsets=boundary_offsets)
+
+
 def garbage_states(g, shape, flags, dev, dtype=F32):
     """Initial states; rows flagged False hold NaN / inf garbage (vLLM never zeroes a slot)."""
     s = rnd(g, *shape)

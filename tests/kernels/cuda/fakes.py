@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba2_plugin.kernels import reference as ref
+from vllm_mamba2_plugin.kernels.interface import PrefillBatch
 
 
 def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
@@ -49,7 +50,7 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
             init = torch.zeros(len(segs) - 1, nheads, headdim, dstate)
             init[0] = initial_states[b].float()
             has = torch.tensor([int(ids[0]) == 0] + [False] * (len(segs) - 2))
-        y, fin = ref.ssd_chunk_scan(x[b], dtp[b], A, B[b], C[b], chunk_size, torch.tensor(segs), init, has, D)
+        y, fin, _ = ref.ssd_chunk_scan(x[b], dtp[b], A, B[b], C[b], PrefillBatch.of(segs, has, chunk_size), init, D)
         outs.append(y)
         finals.append(fin)
         if initial_states is not None:
@@ -59,8 +60,8 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
             j = max(k for k in range(len(segs) - 1) if segs[k] < p)  # the sequence of token p-1
             a = segs[j]
             h = init[:1] if j == 0 and init is not None and bool(has[0]) else None
-            _, f = ref.ssd_chunk_scan(x[b, a:p], dtp[b, a:p], A, B[b, a:p], C[b, a:p], chunk_size,
-                                      torch.tensor([0, p - a]), h, None if h is None else torch.tensor([True]), D)
+            f = ref.ssd_chunk_scan(x[b, a:p], dtp[b, a:p], A, B[b, a:p], C[b, a:p],
+                                   PrefillBatch.of([0, p - a], h is not None, chunk_size), h, D).final_states
             states[b, c] = f[0]
     out = torch.stack(outs).to(x.dtype)
     dt_out = torch.zeros(batch, nheads, nchunks * chunk_size)
@@ -78,8 +79,8 @@ def _fake_ssd_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, init
         # chunk_state_varlen adds the state entering a sequence's last chunk only if the sequence started before
         # that chunk (ssd_chunk_state.py:700-706): the first sequence, ending in chunk 0, loses its h0 term.
         a, b = segs[0], segs[1]
-        _, fin0 = ref.ssd_chunk_scan(x[0, a:b], dtp[0, a:b], A, B[0, a:b], C[0, a:b], chunk_size,
-                                     torch.tensor([0, b - a]), None, None, D)
+        fin0 = ref.ssd_chunk_scan(x[0, a:b], dtp[0, a:b], A, B[0, a:b], C[0, a:b],
+                                  PrefillBatch.of([0, b - a], chunk_size=chunk_size), None, D).final_states
         varlen[0] = fin0[0]
     return res + (varlen.to(C.dtype),)  # chunk states are stored in C's dtype (ssd_combined.py:381)
 

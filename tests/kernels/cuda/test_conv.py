@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
-from cuda_helpers import (BF16, CONV_DIMS, F32, SLOTS, assert_close, cu_of, flags_of, gen, garbage_states,
-                          make_pools, pool_views, record_conv_launches, rnd, tol)
+from cuda_helpers import (BF16, CONV_DIMS, F32, SLOTS, assert_close, batch_of, gen, garbage_states, make_pools,
+                          pool_views, record_conv_launches, rnd, tol)
 from vllm_mamba2_plugin.kernels import cuda as ck
 from vllm_mamba2_plugin.kernels import reference as ref
 
@@ -27,18 +27,25 @@ def test_conv_states_at_block_boundaries_from_the_plan_without_reading_the_bound
     T = sum(lens) + 3
     x = rnd(g, T, Dm).to(kern.dev, BF16)
     init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, BF16)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
-    want = ref.conv_states_at(x, cu, width, offsets, init, hi)
-    got = ck.conv_states_at(x, None, width, offsets, init, hi, plan=plan)
+
+    def batch(offs, planned=True):
+        return batch_of(lens, flags, kern.dev, num_tokens=T, conv_width=width, boundary_offsets=offs,
+                        planned=planned)
+
+    def unread(b):  # the device bounds must not be read: poison them
+        object.__setattr__(b, "cu_seqlens", None)
+        return b
+
+    want = ref.conv_states_at(x, width, batch(offsets, False), init)
+    got = ck.conv_states_at(x, width, unread(batch(offsets)), init)
     assert torch.equal(got.cpu(), want.cpu())
     deep = [[o for o in offs if o >= K] for offs in offsets]  # the one-gather form
-    got = ck.conv_states_at(x, None, width, deep, init, hi, plan=plan)
-    assert torch.equal(got.cpu(), ref.conv_states_at(x, cu, width, deep, init, hi).cpu())
-    assert torch.equal(ck.conv_states_at(x, None, width, offsets, None, None, plan=plan).cpu(),
-                       ref.conv_states_at(x, cu, width, offsets).cpu())  # no saved states: zeros
+    got = ck.conv_states_at(x, width, unread(batch(deep)), init)
+    assert torch.equal(got.cpu(), ref.conv_states_at(x, width, batch(deep, False), init).cpu())
+    assert torch.equal(ck.conv_states_at(x, width, unread(batch(offsets))).cpu(),
+                       ref.conv_states_at(x, width, batch(offsets, False)).cpu())  # no saved states: zeros
     with pytest.raises(ValueError, match="outside a sequence"):
-        ck.conv_states_at(x, None, width, [[10]] + offsets[1:], init, hi, plan=plan)
+        ck.conv_states_at(x, width, batch([[10]] + offsets[1:]), init)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -57,11 +64,11 @@ def test_causal_conv1d_varlen(kern, dims, width, dtype):
     x = proj[:, 5:5 + Dm]
     w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
     init = garbage_states(g, (len(lens), K, Dm), flags, kern.dev, dtype)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, width, kern.dev)
-    for bias, act, p in ((b, "silu", None), (None, None, None), (b, "silu", plan)):
-        out, fin = ck.causal_conv1d(x, w, bias, cu, init, hi, activation=act, plan=p)
-        out_r, fin_r = ref.causal_conv1d(x, w, bias, cu, init, hi, activation=act)
+    unplanned = batch_of(lens, flags, kern.dev, planned=False)
+    planned = batch_of(lens, flags, kern.dev, num_tokens=T, conv_width=width)
+    for bias, act, batch in ((b, "silu", unplanned), (None, None, unplanned), (b, "silu", planned)):
+        out, fin = ck.causal_conv1d(x, w, bias, batch, init, activation=act)
+        out_r, fin_r = ref.causal_conv1d(x, w, bias, unplanned, init, activation=act)
         assert out.dtype == dtype and fin.dtype == dtype
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out (act={act})")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
@@ -87,14 +94,14 @@ def test_causal_conv1d_fresh_prompts_read_in_place(kern, dims, row_pad, dtype, m
     w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
     flags = [False] * S
     init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
     launched = record_conv_launches(monkeypatch)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)
+    unplanned, batch = batch_of(lens, flags, kern.dev, planned=False), batch_of(lens, flags, kern.dev)
+    plan = batch.plan
     assert plan.conv[W - 1].tok_row is None, "prompts that can be read in place: no extended rows built up front"
-    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, None, None, activation="silu")
-    for kw in (dict(plan=None), dict(plan=plan), dict(initial_states=init, has_initial_state=hi, plan=plan)):
+    out_r, fin_r = ref.causal_conv1d(x, w, b, unplanned, None, activation="silu")
+    for kw in (dict(batch=unplanned), dict(batch=batch), dict(batch=batch, initial_states=init)):
         launched.clear()
-        out, fin = ck.causal_conv1d(x, w, b, cu, activation="silu", **kw)
+        out, fin = ck.causal_conv1d(x, w, b, activation="silu", **kw)
         assert launched and (launched[0] == x.data_ptr()) == (row_pad == 0), "in-place layout taken or not"
         assert out.dtype == dtype and fin.dtype == dtype and out.is_contiguous()
         assert_close(out, out_r, tol(kern, "conv", dtype), f"out ({list(kw)})")
@@ -115,12 +122,12 @@ def _conv_resumed_runs(kern, dims, dtype, lens, flags, seed, monkeypatch):
     x = rnd(g, T, 8 + Dm + 8).to(kern.dev, dtype)[:, 8:8 + Dm]
     w, b = rnd(g, Dm, W, scale=0.5).to(kern.dev, dtype), rnd(g, Dm, scale=0.1).to(kern.dev, dtype)
     init = garbage_states(g, (S, W - 1, Dm), flags, kern.dev, dtype)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
     launched = record_conv_launches(monkeypatch)
-    out_r, fin_r = ref.causal_conv1d(x, w, b, cu, init, hi, activation="silu")
-    for p in (None, ck.plan_prefill(cu.cpu(), hi.cpu(), T, 8, W, kern.dev)):
+    unplanned = batch_of(lens, flags, kern.dev, planned=False)
+    out_r, fin_r = ref.causal_conv1d(x, w, b, unplanned, init, activation="silu")
+    for batch in (unplanned, batch_of(lens, flags, kern.dev)):
         launched.clear()
-        out, fin = ck.causal_conv1d(x, w, b, cu, init, hi, activation="silu", plan=p)
+        out, fin = ck.causal_conv1d(x, w, b, batch, init, activation="silu")
         assert_close(out, out_r, tol(kern, "conv", dtype), "out")
         assert torch.equal(fin.cpu(), fin_r.cpu()), "final conv states are copies of inputs: must be exact"
         yield list(launched), x.data_ptr()
@@ -156,9 +163,9 @@ def test_causal_conv1d_fallback_dim_not_multiple_of_8(kern):
     g = gen(20)
     lens, Dm = [3, 9], 20
     x, w = rnd(g, 12, Dm).to(kern.dev), rnd(g, Dm, 4).to(kern.dev)
-    cu = cu_of(lens, kern.dev)
-    out, fin = ck.causal_conv1d(x, w, None, cu)
-    out_r, fin_r = ref.causal_conv1d(x, w, None, cu)
+    batch = batch_of(lens, None, kern.dev, planned=False)
+    out, fin = ck.causal_conv1d(x, w, None, batch)
+    out_r, fin_r = ref.causal_conv1d(x, w, None, batch)
     assert torch.equal(out.cpu(), out_r.cpu()) and torch.equal(fin.cpu(), fin_r.cpu())
 
 

@@ -58,7 +58,7 @@ def _builder(layer, pools, dev, max_num_seqs):
     return backend_mod.Mamba2PluginMetadataBuilder(None, [layer.prefix], cfg, dev)
 
 
-def _cam(rows, dev):
+def _common_metadata(rows, dev):
     """CommonAttentionMetadata of a step: rows of (query_len, context_len, slot)."""
     q = torch.tensor([r[0] for r in rows], dtype=torch.int32)
     ctx = torch.tensor([r[1] for r in rows], dtype=torch.int32)
@@ -124,21 +124,19 @@ class Scheduler:
 
 def _run_step(layer, builder, rows, inputs, mode, dev, monkeypatch):
     """One engine step: returns the mixer's output rows (num_tokens, d_inner)."""
-    cam_rows = [(n, r["done"], r["slot"]) for r, n in rows]
+    common_rows = [(n, r["done"], r["slot"]) for r, n in rows]
     toks = torch.cat([inputs[r["id"]][r["done"]: r["done"] + n] for r, n in rows])
     uniform = all(n == 1 for _, n in rows) and len(rows) <= CAPTURE_SIZES[-1]
     if mode == "full-graph" and uniform:
         padded = next(s for s in CAPTURE_SIZES if s >= len(rows))
-        cam_rows += [(0, 0, 0)] * (padded - len(rows))  # the runner's padding rows: no tokens, the null block
+        common_rows += [(0, 0, 0)] * (padded - len(rows))  # the runner's padding rows: no tokens, the null block
         toks = torch.cat([toks, toks.new_zeros(padded - len(rows), toks.shape[1])])
-    meta = builder.build(0, _cam(cam_rows, dev))
+    meta = builder.build(0, _common_metadata(common_rows, dev))
     if mode == "full-graph" and uniform:  # the replay: the captured decode kernels on the persistent buffers
-        n = len(cam_rows)
+        n = len(common_rows)
         meta = backend_mod.Mamba2PluginMetadata(
             num_decodes=n, num_decode_tokens=n, num_prefills=0, num_prefill_tokens=0, chunk_size=layer.chunk_size,
-            state_indices_d=builder.graph_slots.slots[:n], state_indices_d_i32=builder.graph_slots.slots_i32[:n],
-            state_indices_p=builder.graph_slots.slots[:0], query_start_loc_p=builder._no_prefill_qsl,
-            has_initial_state_p=builder._no_prefill_flags)
+            state_indices_d=builder.graph_slots.slots[:n], state_indices_d_i32=builder.graph_slots.slots_i32[:n])
     monkeypatch.setattr(compat, "layer_metadata", lambda prefix: meta)
     out = torch.full((toks.shape[0], layer.d_inner), float("nan"), device=dev)
     layer.conv_ssm_forward(toks, out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cuda_helpers import kern, resume_path  # noqa: F401  (fixtures)
-from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, case, cu_of, flags_of, gen, garbage_states,
+from cuda_helpers import (BF16, F32, SSD_CASES, assert_close, batch_of, case, cu_of, gen, garbage_states,
                           group_calls, record_chunk_state_varlen, rnd, ssd_inputs, tol)
 from fakes import FAKE_KERNELS
 from vllm_mamba2_plugin.kernels import cuda as ck
@@ -27,12 +27,13 @@ def test_ssd_varlen_initial_states(kern, name, dtype, first, resume_path):
     flags = [True, True, False, True, False] if first == "leads" else [False, True, True, True, False]
     x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=1)
     h0 = garbage_states(gen(2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D)
-    # Without a plan (built inside from the device bounds) and with the builder's plan (host bounds).
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], cs, 4, kern.dev)
-    for p in (None, plan):
-        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D, plan=p)
+    cu, unplanned = cu_of(lens, kern.dev), batch_of(lens, flags, kern.dev, cs, planned=False)
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, dt, A, B, C, unplanned, h0, D=D)
+    # Without a plan (built inside from the batch's host bounds) and with the builder's plan.
+    batch = batch_of(lens, flags, kern.dev, cs)
+    plan = batch.plan
+    for b_ in (unplanned, batch):
+        y, fin, _ = ck.ssd_chunk_scan(x, dt, A, B, C, b_, h0, D=D)
         assert y.dtype == x.dtype and fin.dtype == F32 and fin.shape == fin_r.shape
         t = tol(kern, "ssd", dtype)
         assert_close(y, y_r, t, "y")
@@ -79,12 +80,11 @@ def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, na
     lens, flags = _lone_first_layout(variant, c.cs)
     x, dt, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11)
     h0 = garbage_states(gen(12), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    unplanned, batch = batch_of(lens, flags, kern.dev, c.cs, planned=False), batch_of(lens, flags, kern.dev, c.cs)
     t = tol(kern, "ssd", dtype)
-    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
-    for p in (None, plan):
-        y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=p)
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, dt, A, B, C, unplanned, h0, D=D)
+    for b_ in (unplanned, batch):
+        y, fin, _ = ck.ssd_chunk_scan(x, dt, A, B, C, b_, h0, D=D)
         assert_close(y, y_r, t, "y")
         for s in range(len(lens)):
             assert_close(fin[s], fin_r[s], 2 * t, f"final state of sequence {s} (len {lens[s]}, init {flags[s]})")
@@ -93,9 +93,9 @@ def test_ssd_lone_first_resumed_sequence_takes_the_native_initial_state(kern, na
     raw = rnd(g, sum(lens), c.H, scale=2.0).to(kern.dev, dtype)
     dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
     limit = (0.01, 0.5)
-    y_r2, fin_r2 = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
-    y2, fin2 = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
-                                 dt_limit=limit, state_dtype=BF16)
+    y_r2, fin_r2, _ = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, unplanned, h0, D=D)
+    y2, fin2, _ = ck.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias, dt_limit=limit,
+                                    state_dtype=BF16)
     assert fin2.dtype == BF16
     assert_close(y2, y_r2, t, "y (raw dt)")
     for s in range(len(lens)):
@@ -131,14 +131,14 @@ def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant,
     lens, flags = _aligned_layout(variant, c.cs)
     x, dt, A, B, C, D = ssd_inputs(c, lens, BF16, kern.dev, seed=21)
     h0 = garbage_states(gen(22), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
+    cu = cu_of(lens, kern.dev)
     ns = upstream.kernels() if kern.name == "cuda" else FAKE_KERNELS
     varlen, inner = [], ns.ssd_fwd
     monkeypatch.setattr(ns, "ssd_fwd", lambda *a, **kw: (varlen.append("cu_seqlens" in kw), inner(*a, **kw))[1])
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
-    assert (plan.final_chunks is None) == (variant == "unaligned")
-    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D)
-    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, state_dtype=state_dtype)
+    batch = batch_of(lens, flags, kern.dev, c.cs)
+    assert (batch.plan.final_chunks is None) == (variant == "unaligned")
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, dt, A, B, C, batch, h0, D=D)
+    y, fin, _ = ck.ssd_chunk_scan(x, dt, A, B, C, batch, h0, D=D, state_dtype=state_dtype)
     assert fin.dtype == state_dtype and fin.shape == fin_r.shape
     t = tol(kern, "ssd", BF16)
     assert_close(y, y_r, t, "y")
@@ -150,7 +150,7 @@ def test_ssd_chunk_aligned_sequences_skip_the_varlen_states(kern, name, variant,
     assert varlen[0] == (variant == "unaligned"), varlen  # the packed call; row groups never ask for varlen states
 
 
-@pytest.mark.parametrize("variant", ["all-fresh", "all-init-none-flags", "empty-and-padding", "cpu-bounds"])
+@pytest.mark.parametrize("variant", ["all-fresh", "all-resume", "empty-and-padding", "some-resume"])
 def test_ssd_edge_cases(kern, variant, resume_path):
     c = case(kern, "tiny-g2")
     lens = {"empty-and-padding": [0, 5, 0, 17, 1]}.get(variant, [3, 16, 40, 1])
@@ -159,17 +159,16 @@ def test_ssd_edge_cases(kern, variant, resume_path):
     S = len(lens)
     flags = [s % 2 == 0 for s in range(S)]
     h0 = garbage_states(gen(4), (S, c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    kw = dict(initial_states=h0, has_initial_state=hi, D=D)
+    kw = dict(initial_states=h0, D=D)
     if variant == "all-fresh":
-        kw = dict(D=None)
-    elif variant == "all-init-none-flags":
-        kw = dict(initial_states=torch.where(torch.isfinite(h0), h0, 0.0), has_initial_state=None, D=D)
-    y_r, fin_r = ref.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
-    if variant == "cpu-bounds":  # the metadata's CPU copies: no device->host sync in the wrapper
-        cu, kw["has_initial_state"] = cu.cpu(), hi.cpu()
+        flags, kw = [False] * S, dict(D=None)
+    elif variant == "all-resume":
+        flags, kw = [True] * S, dict(initial_states=torch.where(torch.isfinite(h0), h0, 0.0), D=D)
+    batch = batch_of(lens, flags, kern.dev, c.cs, planned=False)
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, dt, A, B, C, batch, **kw)
     init_before = None if kw.get("initial_states") is None else kw["initial_states"].clone()
-    y, fin = ck.ssd_chunk_scan(x, dt, A, B, C, c.cs, cu, **kw)
+    object.__setattr__(batch, "cu_seqlens", None)  # the device bounds are never read: no host sync
+    y, fin, _ = ck.ssd_chunk_scan(x, dt, A, B, C, batch, **kw)
     t = tol(kern, "ssd", F32)
     assert_close(y, y_r, t, "y")
     assert_close(fin, fin_r, t, "final states")
@@ -198,11 +197,10 @@ def test_ssd_raw_dt_fused_softplus_limit_and_state_dtype(kern, name, state_dtype
     limit = (0.01, 0.5)
     raw, dt_bias = raw.to(kern.dev, BF16), dt_bias.to(kern.dev)
     h0 = garbage_states(gen(7), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, c.cs, cu, h0, hi, D=D)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), T, c.cs, 4, kern.dev)
-    y, fin = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias, dt_limit=limit,
-                               state_dtype=state_dtype)
+    cu, batch = cu_of(lens, kern.dev), batch_of(lens, flags, kern.dev, c.cs)
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, ref.process_dt(raw, dt_bias, limit), A, B, C, batch, h0, D=D)
+    y, fin, _ = ck.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias, dt_limit=limit,
+                                  state_dtype=state_dtype)
     assert y.dtype == BF16 and fin.dtype == state_dtype
     t = tol(kern, "ssd", BF16)
     assert_close(y, y_r, t, "y")
@@ -221,12 +219,9 @@ def _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed, pad=0):
     raw = rnd(g, x.shape[0], c.H).to(kern.dev, dtype)
     dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
     h0 = garbage_states(gen(seed + 2), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, dt_bias=dt_bias,
-                                          boundary_offsets=offsets)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
-    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias,
-                                   boundary_offsets=offsets)
+    batch = batch_of(lens, flags, kern.dev, c.cs, num_tokens=x.shape[0], boundary_offsets=offsets)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
     t = tol(kern, "ssd", dtype)
     assert at.shape == at_r.shape == (sum(map(len, offsets)), c.H, c.P, c.N) and at.dtype == F32
     if at.numel():
@@ -265,10 +260,9 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
     dt_bias = rnd(gen(12), c.H, scale=0.5).to(kern.dev)
     flags = [True] * len(lens)
     h0 = garbage_states(gen(13), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    y_r, fin_r = ref.ssd_chunk_scan(x, ref.process_dt(dt_raw, dt_bias), A, B, C, c.cs, cu, h0, hi, D=D)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), x.shape[0], c.cs, 4, kern.dev)
-    y, fin = ck.ssd_chunk_scan(x, dt_raw, A, B, C, c.cs, cu, h0, hi, D=D, plan=plan, dt_bias=dt_bias)
+    cu, batch = cu_of(lens, kern.dev), batch_of(lens, flags, kern.dev, c.cs, num_tokens=x.shape[0])
+    y_r, fin_r, _ = ref.ssd_chunk_scan(x, ref.process_dt(dt_raw, dt_bias), A, B, C, batch, h0, D=D)
+    y, fin, _ = ck.ssd_chunk_scan(x, dt_raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
     assert calls == [(5, 32)], calls  # five non-empty rows of 32 (the longest, a multiple of 16)
     t = tol(kern, "ssd", dtype)
     for s in range(len(lens)):
@@ -298,11 +292,9 @@ def test_ssd_boundary_states_of_fresh_prompts_come_from_the_packed_call(kern, na
     dt_bias = torch.empty(c.H).uniform_(-3.0, 0.0, generator=g).to(kern.dev)
     flags = [False] * len(lens)
     h0 = None if states == "none" else garbage_states(gen(16), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    hi = None if states == "none" else flags_of(flags, kern.dev)
-    cu = cu_of(lens, kern.dev)
-    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias,
-                                          boundary_offsets=offsets)
-    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, cs, cu, h0, hi, D=D, dt_bias=dt_bias, boundary_offsets=offsets)
+    batch = batch_of(lens, flags, kern.dev, cs, planned=False, boundary_offsets=offsets)
+    y_r, fin_r, at_r = ref.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
+    y, fin, at = ck.ssd_chunk_scan(x, raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
     assert (sum(lens[:3]) + cs) % cs == 8  # the last prompt's boundaries fall inside chunks
     assert calls == [(1, sum(lens))] and varlen == [2 * 4], (calls, varlen)  # 4 inner offsets, as pairs
     t = tol(kern, "ssd", F32)
@@ -395,14 +387,14 @@ def test_boundary_plans_are_built_with_the_step_plan(kern):
     offsets = [[5, cs + 5], [cs], []]
     x, dt, A, B, C, D = ssd_inputs(c, lens, F32, kern.dev, seed=3)
     h0 = garbage_states(gen(4), (len(lens), c.H, c.P, c.N), flags, kern.dev)
-    cu, hi = cu_of(lens, kern.dev), flags_of(flags, kern.dev)
-    plan = ck.plan_prefill(cu.cpu(), hi.cpu(), sum(lens), cs, 4, kern.dev, boundary_offsets=offsets)
+    batch = batch_of(lens, flags, kern.dev, cs, boundary_offsets=offsets)
+    plan = batch.plan
     first, conv_rows = plan.boundary, plan.conv_boundary[3]
     assert first.pairs is not None  # the fresh prompt's boundary, from the packed call
     xbc = torch.randn(sum(lens), 8, device=kern.dev)
     for _ in range(2):  # two layers
-        ck.conv_states_at(xbc, cu, 4, offsets, torch.zeros(len(lens), 3, 8, device=kern.dev), hi, plan=plan)
-        ck.ssd_chunk_scan(x, dt, A, B, C, cs, cu, h0, hi, D=D, plan=plan, boundary_offsets=offsets)
+        ck.conv_states_at(xbc, 4, batch, torch.zeros(len(lens), 3, 8, device=kern.dev))
+        ck.ssd_chunk_scan(x, dt, A, B, C, batch, h0, D=D)
     assert plan.boundary is first and plan.conv_boundary[3] is conv_rows
 
 

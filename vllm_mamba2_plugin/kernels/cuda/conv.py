@@ -22,38 +22,37 @@ adds host time to every call, i.e. to every layer of every step that runs the mi
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from .. import reference
+from ..interface import ConvResult, PrefillBatch
 from ..reference import select_initial
 from . import upstream
-from .varlen_plan import ResumePath, VarlenPlan, add_boundaries, build_plan, conv_plan
+from .varlen_plan import ResumePath, VarlenPlan, add_boundaries, conv_plan, plan_of
 
 
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
-    plan: Optional[VarlenPlan] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> ConvResult:
     """Depthwise causal conv over a packed varlen batch (contract: reference.causal_conv1d).
 
-    x: (T, D)  weight: (D, W)  bias: (D,) or None  cu_seqlens: (S+1,) starting at 0
-    initial_states: (S, W-1, D) or None ("SD" layout)  has_initial_state: (S,) bool or None
-    returns out: (T, D) in x.dtype, final_states: (S, W-1, D) in x.dtype.
+    x: (T, D)  weight: (D, W)  bias: (D,) or None  batch: bounds from 0, resume flags, the step's plan
+    initial_states: (S, W-1, D) or None ("SD" layout)
+    returns ConvResult: out (T, D) in x.dtype, final_states (S, W-1, D) in x.dtype.
 
     Two layouts, both ONE causal-conv1d launch with seq_idx: in place (``_in_place``) when every sequence has
     >= W-1 tokens, there is no padding, x's rows are 16-byte aligned with a row stride that is a multiple of 8,
     and at most ``CONV_RECOMPUTE_MAX`` sequences resume a state; otherwise the extended buffer
-    (``_extended``). The row indices come from ``plan`` (``plan_prefill``, built once per step: no host sync);
-    None builds one here from cu_seqlens and has_initial_state (a sync for device tensors). (Unlike the
-    reference, a cu_seqlens not starting at 0 is not detected here.)
+    (``_extended``). The row indices come from the batch's plan (``plan_prefill``, built once per step); a batch
+    without one is planned here from its host bounds. (Unlike the reference, bounds not starting at 0 are not
+    detected here.)
     """
     T, Dm = x.shape
     W = weight.shape[-1]
@@ -63,45 +62,39 @@ def causal_conv1d(
         reason = f"causal-conv1d's channel-last (varlen) kernel needs conv_dim % 8 == 0, got {Dm}"
     if reason is not None:
         upstream.fallback(reason)
-        return reference.causal_conv1d(x, weight, bias, cu_seqlens, initial_states, has_initial_state,
-                                       activation)
+        return reference.causal_conv1d(x, weight, bias, batch, initial_states, activation)
     silu = reference.check_activation(activation)
-    if plan is None:
-        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, 1, (W,), x.device)
-    elif plan.T != T:
-        raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
+    plan = plan_of(batch, initial_states is not None, T, (W,), x.device)
     if plan.S <= 0:
-        return x.new_zeros(T, Dm), x.new_zeros(0, W - 1, Dm)
+        return ConvResult(x.new_zeros(T, Dm), x.new_zeros(0, W - 1, Dm))
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:186: bias dtype must equal weight dtype
     cp = conv_plan(plan, W - 1)
     rows_ok = cp.in_place and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
     if rows_ok and (initial_states is None or plan.conv_recomputes_resumed()):
-        return _in_place(x, weight, bias, plan, initial_states, silu)
-    return _extended(x, weight, bias, plan, initial_states, has_initial_state, silu)
+        return ConvResult(*_in_place(x, weight, bias, plan, initial_states, silu))
+    return ConvResult(*_extended(x, weight, bias, plan, initial_states, batch.resumes, silu))
 
 
 def conv_states_at(
     x: torch.Tensor,
-    cu_seqlens: torch.Tensor,
     width: int,
-    boundary_offsets,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
-    plan: Optional[VarlenPlan] = None,
 ) -> torch.Tensor:
     """Prefix caching's conv states at block boundaries (contract: reference.conv_states_at): a gather of x's rows
     indexed from the step's plan (``varlen_plan.ConvBoundaryRows``), and of initial-state rows for an offset
-    closer than K tokens to its sequence's start in the step. Without a plan, the reference (it reads cu_seqlens
-    on the host: a sync per layer). returns (M, W-1, D) in x.dtype."""
-    if plan is None:
-        return reference.conv_states_at(x, cu_seqlens, width, boundary_offsets, initial_states, has_initial_state)
+    closer than K tokens to its sequence's start in the step. A batch without a plan goes to the reference.
+    returns (M, W-1, D) in x.dtype."""
+    plan = batch.plan
+    if plan is None or batch.boundary_offsets is None:
+        return reference.conv_states_at(x, width, batch, initial_states)
     K, Dm = width - 1, x.shape[-1]
-    add_boundaries(plan, boundary_offsets)  # set already where the builder planned the step with them
+    add_boundaries(plan, batch.boundary_offsets)  # set already where the batch was planned with them
     rows = plan.conv_boundary[K]
     out = x.index_select(0, rows.x_rows)
     if rows.pick is not None:
-        init = select_initial(initial_states, has_initial_state, (plan.S, K, Dm), x.dtype, x.device)
+        init = select_initial(initial_states, batch.resumes, (plan.S, K, Dm), x.dtype, x.device)
         out = torch.cat([out, init.reshape(plan.S * K, Dm)]).index_select(0, rows.pick)
     return out.view(-1, K, Dm)
 

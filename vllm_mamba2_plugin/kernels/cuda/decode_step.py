@@ -46,7 +46,7 @@ def ssm_state_update(
     reference.heads_per_group(H, B.shape[-2])
     if Bsz == 0:
         return x.new_empty(0, H, P)
-    k = upstream.kernels()
+    ops = upstream.kernels()
     dev = x.device
     # int64 indices: the Triton kernel offsets the pool by index * slot stride (selective_state_update.py:60-65)
     # and an int64 index keeps that product 64-bit for large pools. The kernel reads index pid_b at
@@ -69,11 +69,11 @@ def ssm_state_update(
     # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
     cfg = launch if launch is not None else ssu_launch_config(Bsz, H, P, N, ssm_states.dtype)
     if cfg is None:
-        return k.selective_state_update(
+        return ops.selective_state_update(
             ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P),
             dt_softplus=bool(dt_softplus), state_batch_indices=idx,
         )
-    return _launch_ssu(k, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
+    return _launch_ssu(ops, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
 
 
 # (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``, keyed by (head_dim, d_state, state
@@ -124,7 +124,7 @@ def ssu_warm_batches(nheads: int, head_dim: int, dstate: int, state_dtype: torch
     return sorted(out)
 
 
-def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
+def _launch_ssu(ops, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
     """mamba-ssm's ``_selective_scan_update_kernel`` launched exactly as its wrapper does
     (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count."""
     batch, nheads, dim = x.shape
@@ -133,7 +133,7 @@ def _launch_ssu(k, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, bl
     grid = ((dim + block_m - 1) // block_m, batch, nheads)
     tie_hdim = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0
     with torch.cuda.device(x.device.index):
-        k.ssu_kernel[grid](
+        ops.ssu_kernel[grid](
             state, x, dt, dt_bias, A, B, C, D, None, out, idx,
             batch, nheads, dim, dstate, nheads // B.shape[1],
             *state.stride(), *x.stride(), *dt.stride(), *dt_bias.stride(), *A.stride(), *B.stride(),

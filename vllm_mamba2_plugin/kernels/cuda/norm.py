@@ -34,7 +34,7 @@ def gated_rms_norm(
         raise ValueError(f"d_inner ({d}) must be a multiple of group_size ({group_size})")
     if x.numel() == 0:
         return x.new_empty(x.shape) if out is None else out
-    k = upstream.kernels()
+    ops = upstream.kernels()
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -43,6 +43,6 @@ def gated_rms_norm(
         z2 = z2.contiguous()
     if out is not None and (out.stride(-1) != 1 or out.shape != x2.shape):
         raise ValueError(f"out must be ({x2.shape[0]}, {d}) with unit inner stride")
-    y, _, _ = k.layer_norm_fwd(x2, weight.contiguous(), None, eps, z=z2, out=out, group_size=group_size,
+    y, _, _ = ops.layer_norm_fwd(x2, weight.contiguous(), None, eps, z=z2, out=out, group_size=group_size,
                                norm_before_gate=False, is_rms_norm=True)
     return y.view(x.shape)

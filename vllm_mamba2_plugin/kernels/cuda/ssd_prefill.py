@@ -41,20 +41,22 @@ and won nowhere beyond the noise.
 Final states come in C's dtype from the kernel's varlen states (float32 from a row group's call): with bf16
 activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding of its state
 per step. With dt_bias the kernel's first pass applies softplus(dt + dt_bias) and the limit
-(ssd_chunk_state.py:72-81): no separate dt kernels. Host sync: none with the step's plan (``plan_prefill``,
-built by the metadata builder from host bounds, uploaded once); without one, building it costs one .tolist().
+(ssd_chunk_state.py:72-81): no separate dt kernels. Host sync: none. The step's ``PrefillBatch`` carries its plan
+(``plan_prefill``, built by the metadata builder from host bounds, uploaded once); a batch without one is planned
+from its host bounds at the call.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from .. import reference
+from ..interface import PrefillBatch, ScanResult
 from ..reference import row_range, select_initial
 from . import upstream
-from .varlen_plan import BoundaryRowsPlan, PaddedRows, ResumePath, VarlenPlan, add_boundaries, build_plan
+from .varlen_plan import BoundaryRowsPlan, PaddedRows, ResumePath, VarlenPlan, add_boundaries, build_plan, plan_of
 
 
 def plan_prefill(
@@ -81,55 +83,45 @@ def ssd_chunk_scan(
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    chunk_size: int,
-    cu_seqlens: torch.Tensor,
+    batch: PrefillBatch,
     initial_states: Optional[torch.Tensor] = None,
-    has_initial_state: Optional[torch.Tensor] = None,
     D: Optional[torch.Tensor] = None,
-    plan: Optional[VarlenPlan] = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_limit: Tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype = torch.float32,
-    boundary_offsets: Optional[Sequence[Sequence[int]]] = None,
-):
+) -> ScanResult:
     """Chunked SSD scan over a packed varlen batch (contract: reference.ssd_chunk_scan; paths: module doc).
 
     x: (T, H, P)  dt: (T, H) processed, or raw with dt_bias (H,) (the kernel then computes
     softplus(dt + dt_bias) clamped to dt_limit: ``process_dt`` fused into its first pass)  A: (H,)
-    B, C: (T, G, N)  cu_seqlens: (S+1,) (CPU or device)
-    initial_states: (S, H, P, N) or None  has_initial_state: (S,) bool or None (CPU or device)  D: (H,)|(H, P)
-    plan: ``plan_prefill`` of the same bounds (the mixer's path: no host sync); None builds one here, which
-    costs a sync for device bounds. A plan's flags take the place of has_initial_state's values for the
-    calls; has_initial_state still selects the returned states of empty sequences.
-    returns y: (T, H, P) in x.dtype, final_states: (S, H, P, N) in state_dtype (the caller's pool dtype: the
-    kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through float32).
-    boundary_offsets: prefix caching's block boundaries (contract: reference); then also the (M, H, P, N) states
-    there, in state_dtype (``_boundary_states``), mostly from the step's own calls.
+    B, C: (T, G, N)  initial_states: (S, H, P, N) or None  D: (H,)|(H, P)
+    batch.plan: ``plan_prefill`` of the batch (the mixer's path); None plans the call here from the batch's host
+    bounds and flags.
+    returns ScanResult: y (T, H, P) in x.dtype, final_states (S, H, P, N) in state_dtype (the caller's pool
+    dtype: the kernel's states come in C's dtype, so a bf16 pool takes them without a round trip through
+    float32); with batch.boundary_offsets (prefix caching's block boundaries) also boundary_states, (M, H, P, N)
+    in state_dtype (``_boundary_states``), mostly from the step's own calls.
     """
     T, H, P = x.shape
     N = B.shape[-1]
     reference.heads_per_group(H, B.shape[-2])
     dev = x.device
-    if plan is None:
-        plan = build_plan(cu_seqlens, has_initial_state, initial_states is not None, T, chunk_size, (), dev)
-    elif plan.T != T:
-        raise ValueError(f"the VarlenPlan was built for {plan.T} tokens, x has {T}")
-    S = plan.S
+    plan = plan_of(batch, initial_states is not None, T, (), dev)
+    S, offsets = plan.S, batch.boundary_offsets
     if not plan.nonempty:
-        result = x.new_zeros(T, H, P), _initial_or_zeros(initial_states, has_initial_state, (S, H, P, N),
-                                                         state_dtype, dev)
-        no_states = x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset is > 0: no sequence has one
-        return result if boundary_offsets is None else (*result, no_states)
+        no_states = None if offsets is None else x.new_zeros(0, H, P, N, dtype=state_dtype)  # every offset > 0
+        return ScanResult(x.new_zeros(T, H, P),
+                          _initial_or_zeros(initial_states, batch.resumes, (S, H, P, N), state_dtype, dev), no_states)
     if plan.path is not ResumePath.NONE and initial_states is None:
-        raise ValueError("the VarlenPlan has resumed sequences: pass their initial_states")
-    fwd = _Forward(x, dt, A, B, C, chunk_size, D, dt_bias, dt_limit)
-    if boundary_offsets is not None:
-        add_boundaries(plan, boundary_offsets)  # set already where the builder planned the step with them
+        raise ValueError("the batch has resumed sequences: pass their initial_states")
+    fwd = _Forward(x, dt, A, B, C, batch.chunk_size, D, dt_bias, dt_limit)
+    if offsets is not None:
+        add_boundaries(plan, offsets)  # set already where the batch was planned with them
     out, fin_k, calls = _scan(fwd, plan, initial_states, state_dtype)
-    result = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, has_initial_state, state_dtype)
-    if boundary_offsets is None:
-        return result
-    return (*result, _boundary_states(fwd, plan, calls, result[1], initial_states, state_dtype, (H, P, N)))
+    y, finals = _scatter(x, out, fin_k.to(state_dtype), plan, initial_states, batch.resumes, state_dtype)
+    if offsets is None:
+        return ScanResult(y, finals)
+    return ScanResult(y, finals, _boundary_states(fwd, plan, calls, finals, initial_states, state_dtype, (H, P, N)))
 
 
 def _scan(fwd: "_Forward", plan: VarlenPlan, initial_states, state_dtype):

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from ..interface import PrefillBatch
+
 # The in-place conv layout recomputes the first K outputs of at most this many resumed sequences from their
 # states (one small launch each); more take the extended buffer (``conv.causal_conv1d``).
 CONV_RECOMPUTE_MAX = 3
@@ -295,6 +297,19 @@ def build_plan(
         plan.conv[K] = cp
     return plan
 
+
+
+def plan_of(batch: PrefillBatch, have_initial_states: bool, num_tokens: int, conv_widths: tuple,
+            device: torch.device) -> VarlenPlan:
+    """The batch's plan, or, for a batch without one (a direct kernel call), one built from its host bounds and
+    flags; checked against the tokens of x."""
+    plan = batch.plan
+    if plan is None:
+        return build_plan(batch.cu_seqlens_cpu, batch.resumes_cpu, have_initial_states, num_tokens,
+                          batch.chunk_size, conv_widths, device)
+    if plan.T != num_tokens:
+        raise ValueError(f"the batch was planned for {plan.T} tokens, x has {num_tokens}")
+    return plan
 
 def _resume_path(init_pos: List[int], nonempty: int) -> tuple:
     """(``ResumePath``, first_native, others) from the positions (among the non-empty sequences) of the resumed
