@@ -91,13 +91,14 @@ def test_cuda_kernels_get_a_plan_from_the_host_bounds():
     assert meta.prefill.cu_seqlens.tolist() == [1000, 1001, 1002, 1006, 1012]  # the runner's, as they are
     assert plan.T == 12 and plan.nonempty == [0, 1, 2, 3]
     assert plan.seq_idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]
-    # Continuing sequences 1 (1 token) and 2 (4 tokens), after a fresh one: the padded rows of one more call,
-    # longest first (rows of 16 tokens; padding repeats a row's first token).
+    # Continuing sequences 1 (1 token) and 2 (4 tokens), after a fresh one: the padded rows of one more call, in
+    # packed order (rows of 16 tokens; padding repeats a row's first token).
     assert plan.path is cuda.varlen_plan.ResumePath.ROWS and not plan.first_native and plan.packed_call
     (group,) = plan.groups
-    assert group.seqs == [2, 1] and group.pos.tolist() == [2, 1] and (group.rows.I, group.rows.L) == (2, 16)
-    assert group.rows.src.view(2, 16)[:, :5].tolist() == [[2, 3, 4, 5, 2], [1, 1, 1, 1, 1]]
-    assert group.dst.tolist() == [2, 3, 4, 5, 1] and group.real.tolist() == [0, 1, 2, 3, 16]
+    assert group.seqs == [1, 2] and group.pos.tolist() == [1, 2] and (group.rows.I, group.rows.L) == (2, 16)
+    assert group.rows.src.view(2, 16)[:, :5].tolist() == [[1, 1, 1, 1, 1], [2, 3, 4, 5, 2]]
+    assert group.dst.tolist() == [1, 2, 3, 4, 5] and group.real.tolist() == [0, 16, 17, 18, 19]
+    assert not plan.whole_step
     assert sorted(plan.conv) == [3]  # conv width 4
 
 

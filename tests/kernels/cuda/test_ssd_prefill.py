@@ -245,16 +245,17 @@ def test_ssd_boundary_states_for_prefix_caching(kern, name, dtype, resume_path):
                            aligned if dtype == BF16 else mixed, dtype, seed=8)
 
 
+@pytest.mark.parametrize("empty", [True, False], ids=["with-empty", "all-non-empty"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["tiny-g2", "tiny-g8", "real-g8"])
-def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeypatch):
+def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, empty, monkeypatch):
     """A step in which every sequence resumes a state (prefix-cache hits: a suffix per request), with the
     wrappers' own limits: ONE SSD call of padded rows, no packed call; raw dt (softplus + dt_bias in the kernel,
     as the mixer runs it), an empty flagged sequence (keeps its state) and padding tokens after the last one.
     Against the reference, sequence by sequence."""
     c = case(kern, name)
     calls, _ = _count_calls(kern, monkeypatch)
-    lens = [21, 30, 0, 25, 32, 17]
+    lens = [21, 30, 0, 25, 32, 17] if empty else [21, 30, 25, 32, 17]
     pad = 5
     x, dt_raw, A, B, C, D = ssd_inputs(c, lens, dtype, kern.dev, seed=11, pad=pad)
     dt_bias = rnd(gen(12), c.H, scale=0.5).to(kern.dev)
@@ -264,6 +265,7 @@ def test_ssd_a_step_of_cache_hits_is_one_call_of_rows(kern, name, dtype, monkeyp
     y_r, fin_r, _ = ref.ssd_chunk_scan(x, ref.process_dt(dt_raw, dt_bias), A, B, C, batch, h0, D=D)
     y, fin, _ = ck.ssd_chunk_scan(x, dt_raw, A, B, C, batch, h0, D=D, dt_bias=dt_bias)
     assert calls == [(5, 32)], calls  # five non-empty rows of 32 (the longest, a multiple of 16)
+    assert batch.plan.whole_step  # the rows call's outputs and final states are the scan's as they come
     t = tol(kern, "ssd", dtype)
     for s in range(len(lens)):
         a, b = int(cu[s]), int(cu[s + 1])
@@ -361,7 +363,7 @@ def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch)
     """A step of a serving mix, with the wrappers' own limits: a long prompt continued from a block boundary
     opens the block, then four cache hits' suffixes and two fresh prompts, each crossing block boundaries. All
     continued prompt takes the packed call's own initial state (which also gives its boundary states) and the
-    hits go as the rows of one more call, longest first: two SSD calls, one chunk_state_varlen, no second pass.
+    hits go as the rows of one more call: two SSD calls, one chunk_state_varlen, no second pass.
     Against the reference."""
     c = case(kern, name)
     cs = c.cs
@@ -373,7 +375,7 @@ def test_ssd_a_continued_prompt_leads_cache_hits(kern, name, dtype, monkeypatch)
     cu = torch.tensor([0] + lens).cumsum(0)
     plan = ck.plan_prefill(cu, torch.tensor(flags), sum(lens), cs, 4, kern.dev)
     assert plan.first_native and plan.path is varlen_plan.ResumePath.ROWS
-    assert [g.seqs for g in plan.groups] == [[3, 1, 2, 4]]
+    assert [g.seqs for g in plan.groups] == [[1, 2, 3, 4]] and not plan.whole_step
     _check_boundary_states(kern, c, lens, flags, offsets, dtype, seed=41)
     assert calls == [(1, sum(lens)), (4, -(-max(hits) // 16) * 16)], calls
     assert len(varlen) == 1

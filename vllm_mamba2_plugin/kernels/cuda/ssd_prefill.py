@@ -334,6 +334,12 @@ def _row_groups(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, cal
     results are the whole. Returns (out, float32 final states)."""
     x = fwd.x
     lo = plan.cu[0]
+    if plan.whole_step:  # a step of cache hits: this call's rows are every token, in packed order
+        group = plan.groups[0]
+        h0 = initial_states if plan.all_resume else initial_states.index_select(0, group.seq_rows)
+        res = fwd.padded(group.rows, h0)
+        calls.groups.append(res)
+        return res.out.reshape(-1, *res.out.shape[2:]).index_select(0, group.real), res.final_states
     if out is None:
         out = x.new_empty(plan.cu[-1] - lo, *x.shape[1:])
         fin = x.new_empty(len(plan.nonempty), *initial_states.shape[1:], dtype=torch.float32)

@@ -85,7 +85,7 @@ class PaddedRows:
 class RowGroup:
     """Resumed sequences computed by one more SSD call, each as a batch row from its own state.
 
-    seqs: their sequences, longest first (rows of initial_states), host; seq_rows: the same, (I,) long;
+    seqs: their sequences, in packed order (rows of initial_states), host; seq_rows: the same, (I,) long;
     pos: (I,) long their index among the S' non-empty sequences (rows of the final states);
     rows: ``PaddedRows`` of the call, with real: (Tr,) long the row positions of the sequences' tokens and dst:
     (Tr,) long those tokens relative to cu[0]; rows None: one sequence, called on its own tokens;
@@ -206,6 +206,13 @@ class VarlenPlan:
         """Every sequence is non-empty and resumes (a step of cache hits): the rows of initial_states need no
         mask."""
         return self.S > 0 and len(self.resumed) == self.S
+
+    @property
+    def whole_step(self) -> bool:
+        """No packed call, and one call of padded rows holds every non-empty sequence in packed order: its outputs
+        and final states are the scan's as they come."""
+        return (not self.packed_call and len(self.groups) == 1 and self.groups[0].rows is not None
+                and len(self.groups[0].seqs) == len(self.nonempty))
 
     def conv_recomputes_resumed(self) -> bool:
         """The conv's choice: up to ``CONV_RECOMPUTE_MAX`` resumed sequences keep the in-place layout (each one's
@@ -339,8 +346,9 @@ def _row_groups_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int]
                      chunk_size: int) -> List[tuple]:
     """The ``RowGroup``s of ``others`` (positions among the non-empty sequences): longest first, a group takes the
     next one while its padded rows fit (``_rows_fit``, every sequence counted as at least 16 tokens: a row is
-    never shorter); a group of one is called on its own tokens. Adds each group's host tensors to host as
-    "g<i>_*"; returns [(its sequences, (I, L) of its padded rows or None, its longest sequence's tokens)]."""
+    never shorter), its rows then in packed order; a group of one is called on its own tokens. Adds each group's
+    host tensors to host as "g<i>_*"; returns [(its sequences, (I, L) of its padded rows or None, its longest
+    sequence's tokens)]."""
     length = {i: cu[ne[i] + 1] - cu[ne[i]] for i in others}
     members: List[List[int]] = []
     for i in sorted(others, key=lambda i: -length[i]):
@@ -353,6 +361,7 @@ def _row_groups_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int]
         members.append([i])
     groups = []
     for g, pos in enumerate(members):
+        pos = sorted(pos)  # rows in packed order: a group of the whole step then needs no scatter (``whole_step``)
         prefix = f"g{g}_"
         host[prefix + "seqs"] = torch.tensor([ne[i] for i in pos], dtype=torch.long)
         host[prefix + "pos"] = torch.tensor(pos, dtype=torch.long)
@@ -362,7 +371,7 @@ def _row_groups_host(host: Dict[str, torch.Tensor], cu: List[int], ne: List[int]
             src = host[prefix + "src"].numpy()
             real = np.flatnonzero(host[prefix + "pad"].numpy() == 0)
             host.update({prefix + "real": torch.from_numpy(real), prefix + "dst": torch.from_numpy(src[real] - cu[0])})
-        groups.append(([ne[i] for i in pos], shape, length[pos[0]]))
+        groups.append(([ne[i] for i in pos], shape, max(length[i] for i in pos)))
     return groups
 
 
