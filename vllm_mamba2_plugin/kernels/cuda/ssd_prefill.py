@@ -35,8 +35,8 @@ launches each, and vLLM's runner can send many one-token rows that carry state.
 Why these and no others: each resumed sequence starts from its state in the upstream kernels' own form, exact,
 and a step makes few SSD calls. The alternatives this replaced (each resumed sequence rerun alone, an exact
 linear correction of a zero-state result, a first sequence leading rows where every sequence resumes), forced
-through served steps (benchmarks/prefill_steps.sh, RESULTS.md "Resume paths"), lost up to 18x on cache hits
-and won nowhere beyond the noise.
+through served steps (benchmarks/prefill_steps.sh, RESULTS.md "Resume paths"), lost on cache hits and won
+nowhere beyond the noise.
 
 Final states come in C's dtype from the kernel's varlen states (float32 from a row group's call): with bf16
 activations and an fp32 state pool, a prompt prefilled over several steps takes one bf16 rounding of its state

@@ -17,9 +17,8 @@ protocol would otherwise only make prefill silently slower.
 1. **FastLaunch** -- replaces the ``Autotuner`` objects of mamba-ssm's SSD forward kernels at their call sites
    (the module globals of ``FORWARD_KERNELS``, which mamba-ssm's wrappers look up at call time).
    *Why*: every launch through ``Autotuner.run`` rebuilds the argument dicts (a list membership test per
-   argument), the tuning key (``str(dtype)`` of every tensor) and the chosen config's kwargs: ~45 µs per launch
-   under cProfile on the H200's host, six launches per layer of every prefill step, and prefill steps are
-   host-bound (benchmarks/RESULTS.md). *What*: the same key from precomputed argument positions, the
+   argument), the tuning key (``str(dtype)`` of every tensor) and the chosen config's kwargs, six launches per
+   layer of every prefill step, and prefill steps are host-bound (benchmarks/RESULTS.md, "One prefill layer"). *What*: the same key from precomputed argument positions, the
    autotuner's own choice for it (``Autotuner.cache``), and the JIT function called with that config as
    ``Autotuner.run`` calls it (triton 3.6 runtime/autotuner.py: ``self.fn.run(*args, **kwargs,
    **config.all_kwargs())`` after ``self.best_config = config``). The first call of a key (tuning, Triton's disk
@@ -31,8 +30,8 @@ protocol would otherwise only make prefill silently slower.
    *What*: the same heuristics, in the same order, on ONE dict. *Delete when*: as 1.
 3. **DirectLaunch** -- under 1 and 2, launches the compiled kernel itself. *Why*: ``JITFunction.run`` binds
    and specialises every argument (~40 per SSD kernel) and builds its cache key (``str(options)``) on every
-   call: on the H200, in a 2.7b prefill step, 70-130 µs of Python ahead of each of a layer's six launches,
-   131 ms of host time per step against 89 ms of GPU work (benchmarks/RESULTS.md). *What*: each call is keyed
+   call, ahead of each of a layer's six launches: a 2.7b prefill step spent more host time than GPU time
+   (benchmarks/RESULTS.md, "One prefill layer" and "Resume paths and the launch bypass"). *What*: each call is keyed
    on at least what Triton specialises on (every argument's type, each tensor's dtype and address modulo 16,
    the exact value of every integer, bool, constexpr and compile option, the device); after a first launch of
    a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it calls that kernel's launcher with
@@ -44,8 +43,8 @@ protocol would otherwise only make prefill silently slower.
 4. **EXTRA_CONFIGS** -- appends to mamba-ssm 2.3.2's autotune lists the configs of vLLM 0.26's copies of these
    kernels that they lack (12 for ``_chunk_scan_fwd_kernel``, 5 for ``_chunk_state_fwd_kernel``); the
    autotuner still keeps the fastest by its own measurement. *Why*: among them is the config vLLM's chunk scan
-   picks on the H200 at the 2.7b shape ((64, 64, 32), 4 warps, 1 stage: 186 µs per layer against 237 µs for
-   mamba-ssm's choice; RESULTS.md). Skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 with
+   picks on the H200 at the 2.7b shape ((64, 64, 32), 4 warps, 1 stage), faster there than mamba-ssm's choice
+   (RESULTS.md, "One prefill layer"). Skipped in mamba-ssm's deterministic mode (MAMBA_DETERMINISTIC=1 with
    TRITON_CACHE_AUTOTUNING=0: vLLM sets it to 1 where unset), which pins one config per kernel on purpose.
    *Delete when*: mamba-ssm's lists contain them.
 """
