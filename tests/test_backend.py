@@ -147,7 +147,8 @@ def test_batches_a_full_graph_cannot_replay_take_the_general_path(full_graphs):
     builder = _builder()
     mixed = builder.build(0, _common_metadata([1, 4], [3, 0], [2, 5]))  # a prefill row
     assert (mixed.num_decodes, mixed.num_prefills) == (1, 1)
-    gap = builder.build(0, _common_metadata([1, 0, 1], [3, 0, 2], [2, 0, 5]))  # a zero-token row that is not trailing padding
+    # a zero-token row that is not trailing padding
+    gap = builder.build(0, _common_metadata([1, 0, 1], [3, 0, 2], [2, 0, 5]))
     assert gap.num_prefills == 2 and gap.state_indices_d.data_ptr() != builder.graph_slots.slots.data_ptr()
     big = builder.build(0, _common_metadata([1] * 6, [2] * 6, list(range(1, 7))))  # larger than any captured graph
     assert (big.num_decodes, big.num_prefills) == (6, 0)
@@ -164,7 +165,8 @@ def test_fresh_one_token_rows_of_a_decode_shaped_batch_start_from_a_zeroed_slot(
     pools = {name: (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2)) for name in ("l0", "l1")}
     builder = _builder(layers=pools)
     builder.build(0, _common_metadata([1, 1, 1], [4, 2, 7], [1, 2, 3]))  # an earlier graph step
-    meta = builder.build(0, _common_metadata([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))  # rows 1, 2 fresh (slot 2 reused)
+    # rows 1, 2 fresh (slot 2 reused)
+    meta = builder.build(0, _common_metadata([1, 1, 1, 0], [5, 0, 0, 0], [6, 2, 4, 0]))
     assert (meta.num_decodes, meta.num_prefills) == (4, 0)
     assert meta.state_indices_d.data_ptr() == builder.graph_slots.slots.data_ptr()
     assert meta.state_indices_d.tolist() == [6, 2, 4, -1]
@@ -199,5 +201,6 @@ def test_prefix_caching_reads_the_last_block_and_lists_the_boundaries_a_prefill_
     plain = _builder().build(0, _common_metadata(qlens, ctx, [7, 2, 5, 9, 3]))
     assert plain.prefill.boundary_offsets is None and plain.prefill.boundary_slots is None
     assert plain.prefill.slots.tolist() == [5, 9, 3]
-    no_crossing = _builder(spec=spec).build(0, _common_metadata([1, 3], [4, 8], [0, 0]))  # a prefill inside its last block
+    # a prefill inside its last block crosses no boundary
+    no_crossing = _builder(spec=spec).build(0, _common_metadata([1, 3], [4, 8], [0, 0]))
     assert no_crossing.prefill.boundary_offsets is None and no_crossing.prefill.boundary_slots is None

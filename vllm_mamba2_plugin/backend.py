@@ -145,6 +145,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
 
         slots = self._running_slots(common_attn_metadata, num_reqs)
         slots_d = slots[:num_decodes]
+        prefill = None
+        if num_prefills:
+            prefill = self._prefill_batch(common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu,
+                                          slots[num_decodes:], num_decodes, num_prefill_tokens)
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
@@ -153,17 +157,16 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots_d,
             state_indices_d_i32=slots_d.to(torch.int32),
-            prefill=self._prefill_batch(common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu,
-                                        slots[num_decodes:], num_decodes) if num_prefills else None,
+            prefill=prefill,
         )
 
     def _prefill_batch(self, common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu, slots_p,
-                       num_decodes: int) -> PrefillBatch:
-        """The prefill rows' batch. Which rows resume a saved state: the host flags, the one source for the
-        kernels' plan (built from the host copies, uploaded once, shared by every layer: no host sync in the
-        prefill path) and for the device mask the layers read (the plan's upload of the same flags)."""
-        num_reqs = qsl_cpu.numel() - 1
-        num_decode_tokens = int(qsl_cpu[num_decodes])
+                       num_decodes: int, num_prefill_tokens: int) -> PrefillBatch:
+        """The prefill rows' batch (rows num_decodes.. of the step). Which rows resume a saved state: the host
+        flags, the one source for the kernels' plan (built from the host copies, uploaded once, shared by every
+        layer: no host sync in the prefill path) and for the device mask the layers read (the plan's upload of the
+        same flags)."""
+        num_reqs, num_decode_tokens = qsl_cpu.numel() - 1, int(qsl_cpu[num_decodes])
         # The device bounds are derived from the runner's device tensors rather than copied from the host copies:
         # a host-to-device copy from pageable memory synchronises the stream, which would stall the CPU on the
         # previous step's GPU work at every step.
@@ -173,7 +176,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             offsets, boundary_slots = self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
         return PrefillBatch.build(
             self.kernels, qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0,
-            int(qsl_cpu[num_reqs]) - num_decode_tokens, self.chunk_size, self.conv_width, self.device,
+            num_prefill_tokens, self.chunk_size, self.conv_width, self.device,
             cu_seqlens=(qsl - num_decode_tokens).to(torch.int32), slots=slots_p,
             boundary_offsets=offsets if boundary_slots is not None else None, boundary_slots=boundary_slots,
         )

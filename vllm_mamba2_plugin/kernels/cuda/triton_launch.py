@@ -18,8 +18,9 @@ protocol would otherwise only make prefill silently slower.
    (the module globals of ``FORWARD_KERNELS``, which mamba-ssm's wrappers look up at call time).
    *Why*: every launch through ``Autotuner.run`` rebuilds the argument dicts (a list membership test per
    argument), the tuning key (``str(dtype)`` of every tensor) and the chosen config's kwargs, six launches per
-   layer of every prefill step, and prefill steps are host-bound (benchmarks/RESULTS.md, "One prefill layer"). *What*: the same key from precomputed argument positions, the
-   autotuner's own choice for it (``Autotuner.cache``), and the JIT function called with that config as
+   layer of every prefill step, and prefill steps are host-bound (benchmarks/RESULTS.md, "One prefill layer").
+   *What*: the same key from precomputed argument positions, the autotuner's own choice for it
+   (``Autotuner.cache``), and the JIT function called with that config as
    ``Autotuner.run`` calls it (triton 3.6 runtime/autotuner.py: ``self.fn.run(*args, **kwargs,
    **config.all_kwargs())`` after ``self.best_config = config``). The first call of a key (tuning, Triton's disk
    cache) and configs with a pre_hook still go through the autotuner.
@@ -28,17 +29,17 @@ protocol would otherwise only make prefill silently slower.
    of ``@triton.heuristics``. *Why*: ``Heuristics.run`` builds one argument dict per stacked heuristic
    (five of ~45 entries per state-update launch), once per layer of every eager decode step and mixed step.
    *What*: the same heuristics, in the same order, on ONE dict. *Delete when*: as 1.
-3. **DirectLaunch** -- under 1 and 2, launches the compiled kernel itself. *Why*: ``JITFunction.run`` binds
-   and specialises every argument (~40 per SSD kernel) and builds its cache key (``str(options)``) on every
-   call, ahead of each of a layer's six launches: a 2.7b prefill step spent more host time than GPU time
-   (benchmarks/RESULTS.md, "One prefill layer" and "Resume paths and the launch bypass"). *What*: each call is keyed
-   on at least what Triton specialises on (every argument's type, each tensor's dtype and address modulo 16,
-   the exact value of every integer, bool, constexpr and compile option, the device); after a first launch of
-   a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it calls that kernel's launcher with
-   the arguments in the order ``JITFunction.run`` passes them (``_LAUNCH_CALL``: a Triton whose
-   ``JITFunction.run`` does not make that call gets no DirectLaunch). Launch hooks (profilers such as proton),
-   pre-run hooks and argument types it does not mirror go through ``JITFunction.run``. Integers keyed by value
-   cost one ``JITFunction.run`` per new step shape and kernel, in the step's first layer.
+3. **DirectLaunch** -- under 1 and 2, launches the compiled kernel itself. *Why*: ``JITFunction.run`` binds and
+   specialises every argument (~40 per SSD kernel) and builds its cache key (``str(options)``) on every call,
+   ahead of each of a layer's six launches: a 2.7b prefill step spent more host time than GPU time
+   (benchmarks/RESULTS.md, "One prefill layer" and "Resume paths and the launch bypass").
+   *What*: each call is keyed on at least what Triton specialises on (every argument's type, each tensor's dtype
+   and address modulo 16, the exact value of every integer, bool, constexpr and compile option, the device); after
+   a first launch of a key through ``JITFunction.run`` (which compiles, or finds, the kernel) it calls that
+   kernel's launcher with the arguments in the order ``JITFunction.run`` passes them (``_LAUNCH_CALL``: a Triton
+   whose ``JITFunction.run`` does not make that call gets no DirectLaunch). Launch hooks (profilers such as
+   proton), pre-run hooks and argument types it does not mirror go through ``JITFunction.run``. Integers keyed by
+   value cost one ``JITFunction.run`` per new step shape and kernel, in the step's first layer.
    *Delete when*: Triton's ``JITFunction.run`` has a cheap path for repeated specialisations.
 4. **EXTRA_CONFIGS** -- appends to mamba-ssm 2.3.2's autotune lists the configs of vLLM 0.26's copies of these
    kernels that they lack (12 for ``_chunk_scan_fwd_kernel``, 5 for ``_chunk_state_fwd_kernel``); the

@@ -305,7 +305,6 @@ def build_plan(
     return plan
 
 
-
 def plan_of(batch: PrefillBatch, have_initial_states: bool, num_tokens: int, conv_widths: tuple,
             device: torch.device) -> VarlenPlan:
     """The batch's plan, or, for a batch without one (a direct kernel call), one built from its host bounds and
@@ -317,6 +316,7 @@ def plan_of(batch: PrefillBatch, have_initial_states: bool, num_tokens: int, con
     if plan.T != num_tokens:
         raise ValueError(f"the batch was planned for {plan.T} tokens, x has {num_tokens}")
     return plan
+
 
 def _resume_path(init_pos: List[int], nonempty: int) -> tuple:
     """(``ResumePath``, first_native, others) from the positions (among the non-empty sequences) of the resumed
