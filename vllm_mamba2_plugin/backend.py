@@ -36,6 +36,7 @@ from . import compat, envs
 from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
 from .kernels.interface import PrefillBatch, upload
+from .spec_decode import PrefillRing, VerifyPosition, prefill_ring, verify_positions
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -76,15 +77,19 @@ class Mamba2PluginMetadata:
     # The prefill rows (bounds relative to the prefill block, slots, resume flags, the kernels' plan, prefix
     # caching's boundaries); None in a decode-only step.
     prefill: Optional[PrefillBatch] = None
+    # Speculative decoding (spec_decode.py): the decode rows position by position, each token's state in its ring
+    # column; state_indices_d is then empty.
+    verify: Optional[tuple[VerifyPosition, ...]] = None
 
     @property
     def num_actual_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
 
 
-def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor) -> int:
-    """Length of the leading run of decode rows: one new token on top of existing state."""
-    is_decode = (query_lens == 1) & (context_lens > 0)
+def split_decodes_first(query_lens: torch.Tensor, context_lens: torch.Tensor, max_query: int = 1) -> int:
+    """Length of the leading run of decode rows: 1 to max_query new tokens (1 + the speculative tokens) on top of
+    existing state."""
+    is_decode = (query_lens >= 1) & (query_lens <= max_query) & (context_lens > 0)
     if bool(is_decode.all()):
         return int(is_decode.numel())
     return int(torch.argmin(is_decode.to(torch.int8)).item())
@@ -98,7 +103,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        if envs.full_decode_graphs():
+        if envs.full_decode_graphs() and vllm_config.speculative_config is None:
             return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return cls._cudagraph_support
 
@@ -108,8 +113,14 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.chunk_size = int(hf.chunk_size)
         self.conv_width = int(hf.conv_kernel)
         self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
+        # Speculative decoding: a ring of 1 + k state slots per request (spec_decode.py), and the runner puts rows
+        # of up to 1 + k tokens first.
+        spec = vllm_config.speculative_config
+        self.ring = 1 + (int(spec.num_speculative_tokens) if spec is not None else 0)
+        if self.ring > 1:
+            self.reorder_batch_threshold = self.ring
         # FULL decode graphs: persistent slot buffers, as large as the largest captured decode batch.
-        self.full_decode_graphs = envs.full_decode_graphs()
+        self.full_decode_graphs = envs.full_decode_graphs() and self.ring == 1
         # Prefix caching (mamba_cache_mode "align", docs/prefix-caching.md): a request's running state is in the
         # block of its last token; the blocks of the boundaries a prefill step crosses keep their states.
         self.prefix_caching = getattr(kv_cache_spec, "mamba_cache_mode", "none") == "align"
@@ -138,17 +149,28 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             graph_meta = self._build_graph_decode(common_attn_metadata, query_lens, context_lens, capture=_force_decode)
             if graph_meta is not None:
                 return graph_meta
-        num_decodes = split_decodes_first(query_lens, context_lens)
+        num_decodes = split_decodes_first(query_lens, context_lens, self.ring)
         num_decode_tokens = int(qsl_cpu[num_decodes])
         num_prefills = num_reqs - num_decodes
         num_prefill_tokens = int(qsl_cpu[num_reqs]) - num_decode_tokens
 
-        slots = self._running_slots(common_attn_metadata, num_reqs)
-        slots_d = slots[:num_decodes]
+        verify, ring_p = None, None
+        if self.ring > 1:
+            table = common_attn_metadata.block_table_tensor[:num_reqs]
+            if num_decodes:
+                verify = verify_positions(table[:num_decodes], qsl_cpu[: num_decodes + 1], context_lens[:num_decodes],
+                                          self.ring)
+            slots_d = table.new_empty(0, dtype=torch.int64)
+            ring_p = prefill_ring(table[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:],
+                                  self.ring)
+            slots_p = ring_p.slots
+        else:
+            slots = self._running_slots(common_attn_metadata, num_reqs)
+            slots_d, slots_p = slots[:num_decodes], slots[num_decodes:]
         prefill = None
         if num_prefills:
             prefill = self._prefill_batch(common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu,
-                                          slots[num_decodes:], num_decodes, num_prefill_tokens)
+                                          slots_p, num_decodes, num_prefill_tokens, ring_p)
         return Mamba2PluginMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
@@ -158,10 +180,12 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             state_indices_d=slots_d,
             state_indices_d_i32=slots_d.to(torch.int32),
             prefill=prefill,
+            verify=verify,
         )
 
     def _prefill_batch(self, common_attn_metadata, qsl_cpu, context_lens, seq_lens_cpu, slots_p,
-                       num_decodes: int, num_prefill_tokens: int) -> PrefillBatch:
+                       num_decodes: int, num_prefill_tokens: int,
+                       ring: Optional[PrefillRing] = None) -> PrefillBatch:
         """The prefill rows' batch (rows num_decodes.. of the step). Which rows resume a saved state: the host
         flags, the one source for the kernels' plan (built from the host copies, uploaded once, shared by every
         layer: no host sync in the prefill path) and for the device mask the layers read (the plan's upload of the
@@ -171,14 +195,17 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         # a host-to-device copy from pageable memory synchronises the stream, which would stall the CPU on the
         # previous step's GPU work at every step.
         qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
-        offsets, boundary_slots = None, None
+        offsets, boundary_slots, initial_slots = None, None, None
         if self.prefix_caching:
             offsets, boundary_slots = self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
+        elif ring is not None:  # speculative decoding (no prefix caching): the state ring's columns
+            offsets, boundary_slots, initial_slots = ring.boundary_offsets, ring.boundary_slots, ring.initial_slots
         return PrefillBatch.build(
             self.kernels, qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0,
             num_prefill_tokens, self.chunk_size, self.conv_width, self.device,
             cu_seqlens=(qsl - num_decode_tokens).to(torch.int32), slots=slots_p,
             boundary_offsets=offsets if boundary_slots is not None else None, boundary_slots=boundary_slots,
+            initial_slots=initial_slots,
         )
 
     def _running_slots(self, common_attn_metadata, num_rows: int) -> torch.Tensor:

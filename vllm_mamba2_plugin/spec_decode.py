@@ -1,0 +1,97 @@
+"""Speculative decoding: the state ring that makes a verification step's rollback exact.
+
+With ``--speculative-config`` a step gives each decoding request up to 1 + k query tokens: the token sampled last
+step and up to k drafted ones. The model runs them all; the sampler keeps a prefix, and the next step starts after
+the last accepted token. An SSM cannot drop tokens from its state, so the state after every token of the step is
+kept, and the next step starts from the right one.
+
+The ring (num_speculative_blocks = k extra blocks per request, m = 1 + k state slots in its block-table row): the
+state after the token at position p (0-based, of the whole sequence) lives in column p mod m. A step's tokens at
+positions c .. c+q-1 (c = tokens computed before it, q <= m) read column (c-1) mod m and write columns c mod m ..
+(c+q-1) mod m. Within a step the only column written twice would need q > m; the first state read, (c-1) mod m,
+is overwritten last, by position c+m-1, after it was read. Rejection only lowers the next step's c, so the next
+step reads the column of its own last computed token: no accepted-token count is needed (the scheduler's
+num_computed_tokens says it all). Without speculation m = 1 and every state is column 0, the plain layout.
+
+The tokens of a decoding request run one position at a time through the decode kernels (the upstream one-token
+updates, which update a slot in place): position i copies the state of its source column into its destination
+column, then updates that slot. So the outputs and states are the plain decode step's, token for token. A row on
+the prefill path short enough to carry drafts keeps its state after every token too (``prefill_ring``).
+docs/speculative-decoding.md has the whole design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from .kernels.interface import upload
+
+
+@dataclass(frozen=True)
+class VerifyPosition:
+    """Position i of a step's decoding rows: the n rows with more than i query tokens.
+
+    tokens:  (n,) int64 device: each token's row in the step's decode block
+    src:     (n,) int64 device: the slot holding the state before the token (the ring column of position - 1)
+    dst:     (n,) int64 device: the slot that holds the state after it
+    dst_i32: the same as dst, int32 (the conv kernel's index type)
+    """
+
+    tokens: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    dst_i32: torch.Tensor
+
+
+def verify_positions(table: torch.Tensor, query_start_cpu: torch.Tensor, context_lens: torch.Tensor,
+                     ring: int) -> tuple[VerifyPosition, ...]:
+    """The positions of a decode block of R rows (query_start_cpu (R+1,) host bounds from 0, context_lens (R,)
+    host, every row resuming: context > 0), built on the host and uploaded once. table: the rows' block-table
+    rows (R, >= ring) on the device."""
+    starts, ends = query_start_cpu[:-1].tolist(), query_start_cpu[1:].tolist()
+    context = context_lens.tolist()
+    rows, src, dst, tokens, sizes = [], [], [], [], []
+    for i in range(max((e - s for s, e in zip(starts, ends)), default=0)):
+        active = [r for r, (s, e) in enumerate(zip(starts, ends)) if e - s > i]
+        rows += active
+        src += [(context[r] + i - 1) % ring for r in active]
+        dst += [(context[r] + i) % ring for r in active]
+        tokens += [starts[r] + i for r in active]
+        sizes.append(len(active))
+    dev = upload(torch.tensor([rows, src, dst, tokens], dtype=torch.int64), table.device)
+    src_slots = table[dev[0], dev[1]].to(torch.int64)
+    dst_slots = table[dev[0], dev[2]].to(torch.int64)
+    dst_i32 = dst_slots.to(torch.int32)
+    return tuple(VerifyPosition(*parts) for parts in zip(dev[3].split(sizes), src_slots.split(sizes),
+                                                           dst_slots.split(sizes), dst_i32.split(sizes)))
+
+
+class PrefillRing(NamedTuple):
+    """Where a step's prefill rows keep their states in the ring (spec_decode's module docstring)."""
+
+    slots: torch.Tensor  # (S,) int64 device: the column of each row's last token (its final state)
+    initial_slots: torch.Tensor  # (S,) int64 device: the column of the token before its first (a resumed state)
+    boundary_offsets: Optional[list]  # per row, the token counts after which a state is kept; None: none anywhere
+    boundary_slots: Optional[torch.Tensor]  # (M,) int64 device: their columns, in order
+
+
+def prefill_ring(table: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                 ring: int) -> PrefillRing:
+    """The ring's slots for rows on the prefill path (table: their block-table rows; context_lens, query_lens:
+    host). A row of at most ``ring`` tokens may carry drafts (vLLM pads a one-token prompt with placeholder drafts
+    to keep decode batches uniform, and a row the runner did not sort among the decodes is still verified): its
+    state after every token is kept, as the verification positions keep theirs."""
+    context, queries = context_lens.tolist(), query_lens.tolist()
+    S = len(queries)
+    offsets = [list(range(1, q)) if q <= ring else [] for q in queries]
+    rows = list(range(S)) * 2 + [r for r in range(S) for _ in offsets[r]]
+    cols = ([(c + q - 1) % ring for c, q in zip(context, queries)] + [(c - 1) % ring for c in context]
+            + [(context[r] + o - 1) % ring for r in range(S) for o in offsets[r]])
+    dev = upload(torch.tensor([rows, cols], dtype=torch.int64).view(2, -1), table.device)
+    slots, initial, boundary = table[dev[0], dev[1]].to(torch.int64).split([S, S, len(rows) - 2 * S])
+    if not boundary.numel():
+        return PrefillRing(slots, initial, None, None)
+    return PrefillRing(slots, initial, offsets, boundary)
