@@ -174,7 +174,7 @@ def plugin_runner(layer: Mamba2Mixer, step, dev, holder):
                           num_actual_tokens=T)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV_WIDTH)),
-        scheduler_config=SimpleNamespace(max_num_seqs=R), compilation_config=SimpleNamespace())
+        scheduler_config=SimpleNamespace(max_num_seqs=R), compilation_config=SimpleNamespace(), speculative_config=None)
     spec = SimpleNamespace(mamba_cache_mode="align", block_size=step["block"]) if step["block"] else None
     layer.prefix_caching = bool(step["block"])
     builder = Mamba2PluginMetadataBuilder(spec, [layer.prefix], vllm_config, dev)

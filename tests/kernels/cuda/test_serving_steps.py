@@ -52,7 +52,7 @@ def _builder(layer, pools, dev, max_num_seqs):
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(chunk_size=layer.chunk_size,
                                                                conv_kernel=layer.conv_kernel)),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), speculative_config=None,
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=CAPTURE_SIZES[-1],
                                            static_forward_context={layer.prefix: layer}))
     return backend_mod.Mamba2PluginMetadataBuilder(None, [layer.prefix], cfg, dev)
