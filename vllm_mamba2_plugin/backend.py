@@ -15,6 +15,9 @@ can sit among them and the V2 runner sorts by its own key. So the decode block i
 that are one token and have state; whatever follows is handled by the prefill path, which is correct for any
 row (it honours has-initial-state), only less specialised.
 
+Speculative decoding (spec_decode.py): decode rows are those of 1 to 1 + k tokens on top of state, run position by
+position (``verify``), and every state goes to its column of the request's ring of 1 + k blocks.
+
 Slots: with mamba_cache_mode "none" each request owns one block, ``block_table_tensor[:, 0]``. Mamba state
 is never zeroed on allocation, so has-initial-state is what keeps a new request from seeing an old one's state.
 
@@ -161,9 +164,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
                 verify = verify_positions(table[:num_decodes], qsl_cpu[: num_decodes + 1], context_lens[:num_decodes],
                                           self.ring)
             slots_d = table.new_empty(0, dtype=torch.int64)
-            ring_p = prefill_ring(table[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:],
-                                  self.ring)
-            slots_p = ring_p.slots
+            if num_prefills:
+                ring_p = prefill_ring(table[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:],
+                                      self.ring)
+            slots_p = None if ring_p is None else ring_p.slots
         else:
             slots = self._running_slots(common_attn_metadata, num_reqs)
             slots_d, slots_p = slots[:num_decodes], slots[num_decodes:]
