@@ -5,7 +5,9 @@ vLLM engines are expensive (seconds each), so tests share one engine per (model,
 """
 
 import gc
+import json
 import os
+import subprocess
 import sys
 
 # Before vLLM is imported anywhere: in-process engine core (3x faster to start), small CPU cache.
@@ -120,6 +122,22 @@ def engine(model_dir: str, **kwargs):
             gc.collect()
         _ENGINES[key] = make_llm(model_dir, **kwargs)
     return _ENGINES[key]
+
+
+def run_engines(runs: list, env: dict = None, timeout: float = 900) -> list:
+    """``tests/engine_runner.py`` in a fresh process: the result of each of ``runs``. env: variables to set in its
+    environment (None removes one)."""
+    environ = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "engine_runner.py"),
+                           json.dumps({"runs": runs})], capture_output=True, text=True, timeout=timeout, env=environ)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def free_engines():

@@ -8,19 +8,15 @@ token budget (chunked prefill, prompts split across steps while others decode) t
 prompts (slot reuse), and every token is compared with the oracle's.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import build_models, random_prompts
+from conftest import build_models, random_prompts, run_engines
 from oracle import RecurrentMamba2, oracle_generate
 from vllm_mamba2_plugin import sharding, tiny_model
 from vllm_mamba2_plugin.spec import state_shapes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = os.path.dirname(os.path.abspath(tiny_model.__file__))
 MAX_TOKENS = 10
 VOCAB = 512
@@ -49,6 +45,7 @@ MODES = {
     "tp2": dict(tensor_parallel_size=TP, **COMPILED),
     "pp2": dict(pipeline_parallel_size=PP, **COMPILED),
 }
+PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # A 24-token step budget and 3 slots: prompts up to 70 tokens span several steps, 8 prompts a round queue for slots.
 ENGINE = dict(max_num_batched_tokens=24, max_num_seqs=3)
 
@@ -72,12 +69,7 @@ def parallel_oracles(parallel_models):
 def _run_mode(mode: str, models: dict) -> dict:
     runs = [{"model": path, "rounds": [_prompts(name, 0), _prompts(name, 1)], "max_tokens": MAX_TOKENS,
              "facts": True, "llm_kwargs": dict(MODES[mode], **ENGINE)} for name, path in models.items()]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return dict(zip(models, json.loads(lines[-1][len("RESULT "):])))
+    return dict(zip(models, run_engines(runs, PARALLEL_ENV, timeout=600)))
 
 
 _RESULTS: dict = {}
@@ -147,12 +139,7 @@ def test_prefix_caching_on_parallel_engines(parallel_models, parallel_oracles):
               for i, lengths in enumerate([[3], [1, 9, 17, 4]])]
     runs = [{"model": path, "rounds": rounds, "max_tokens": MAX_TOKENS,
              "llm_kwargs": dict(MODES[mode], enable_prefix_caching=True, **ENGINE)} for mode in MODES]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
-    for mode, result in zip(MODES, json.loads(lines[-1][len("RESULT "):])):
+    for mode, result in zip(MODES, run_engines(runs, PARALLEL_ENV, timeout=600)):
         for round_, (prompts, got) in enumerate(zip(rounds, result["rounds"])):
             want = [oracle_generate(parallel_oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
             assert got == want, f"{mode} round {round_}"

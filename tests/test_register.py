@@ -1,6 +1,5 @@
 """register(): idempotent, light, CUDA-free; the switches; the registry entries it makes."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,14 +8,13 @@ import pytest
 import torch
 
 import vllm_mamba2_plugin
-from conftest import MODEL_VARIANTS, random_prompts
+from conftest import MODEL_VARIANTS, random_prompts, run_engines
 from oracle import RecurrentMamba2, oracle_generate
 
 from vllm_mamba2_plugin import tiny_model
 
 PLUGIN_CLASS = "vllm_mamba2_plugin.model.Mamba2PluginForCausalLM"
 IN_TREE_CLASS = "vllm.model_executor.models.mamba2.Mamba2ForCausalLM"
-HERE = os.path.dirname(__file__)
 
 
 def test_register_is_idempotent_and_fills_the_registries():
@@ -70,18 +68,6 @@ def test_bad_switch_value_is_refused():
         del os.environ["VLLM_MAMBA2_PLUGIN_OVERRIDE"]
 
 
-def _run_engines(env_updates: dict, runs: list[dict]) -> list[dict]:
-    env = dict(os.environ, **env_updates)
-    for key, value in env_updates.items():
-        if value is None:
-            env.pop(key)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
-                          capture_output=True, text=True, timeout=900, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 @pytest.mark.slow
 def test_override_off_keeps_in_tree_mamba2_which_agrees_with_the_recurrence(model_dirs, oracles, tmp_path):
     """VLLM_MAMBA2_PLUGIN_OVERRIDE=0: Mamba2ForCausalLM is vLLM's in-tree class (the second oracle), and the
@@ -101,7 +87,7 @@ def test_override_off_keeps_in_tree_mamba2_which_agrees_with_the_recurrence(mode
         wants.append([oracle_generate(oracle, p, 16)[0] for p in prompts])
     runs.append({**runs[1], "llm_kwargs": {"hf_overrides": {"architectures": ["Mamba2PluginForCausalLM"]}}})
     wants.append(wants[1])
-    results = _run_engines({"VLLM_MAMBA2_PLUGIN_OVERRIDE": "0"}, runs)
+    results = run_engines(runs, {"VLLM_MAMBA2_PLUGIN_OVERRIDE": "0"})
     assert [r["model_class"] for r in results] == [IN_TREE_CLASS] * 3 + [PLUGIN_CLASS]
     for result, want in zip(results, wants):
         assert result["tokens"] == want
@@ -110,5 +96,5 @@ def test_override_off_keeps_in_tree_mamba2_which_agrees_with_the_recurrence(mode
 @pytest.mark.slow
 def test_vllm_plugins_switches_the_plugin_on_and_off(model_dirs):
     run = {"model": model_dirs["g1"], "prompts": [[5, 6, 7]], "max_tokens": 4}
-    assert _run_engines({"VLLM_PLUGINS": ""}, [run])[0]["model_class"] == IN_TREE_CLASS
-    assert _run_engines({"VLLM_PLUGINS": "mamba2"}, [run])[0]["model_class"] == PLUGIN_CLASS
+    assert run_engines([run], {"VLLM_PLUGINS": ""})[0]["model_class"] == IN_TREE_CLASS
+    assert run_engines([run], {"VLLM_PLUGINS": "mamba2"})[0]["model_class"] == PLUGIN_CLASS

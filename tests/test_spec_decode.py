@@ -3,22 +3,19 @@ the float64 recurrence and to the same engine without drafts, with drafts reject
 
 Each engine with drafts runs in a process of its own (tests/engine_runner.py says why)."""
 
-import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import run_engines
 from grid import divergences
 from oracle import RecurrentMamba2
 
 from vllm_mamba2_plugin import tiny_model
 from vllm_mamba2_plugin.spec_decode import prefill_ring, verify_positions
 
-HERE = os.path.dirname(__file__)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -61,16 +58,6 @@ def test_every_step_reads_the_state_after_its_last_computed_token(ring):
         assert next(boundary, None) is None
         for r in range(R):  # a row that may carry drafts keeps a prefix: the row's first token and some drafts
             context[r] += rng.randint(1, q[r]) if q[r] <= ring else q[r]
-
-
-def run_engines(runs: list, **env) -> list:
-    """tests/engine_runner.py in a fresh process (``env`` added to its environment): the results of ``runs`` (the
-    one with drafts last)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_runner.py"), json.dumps({"runs": runs})],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, **env))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def repeating_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -117,7 +104,7 @@ def test_tensor_parallel_with_drafts_matches_recurrence(grid_dirs, grid_oracles)
                   compilation_config={"mode": 2, "backend": "eager"},
                   speculative_config={**NGRAM, "prompt_lookup_min": 1})
     [result] = run_engines([dict(model=grid_dirs["n32g4"], prompts=prompts, max_tokens=12, spec_counts=True,
-                                 arrive_every=2, llm_kwargs=engine)], VLLM_CPU_OMP_THREADS_BIND="0|1")
+                                 arrive_every=2, llm_kwargs=engine)], env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     wrong, _ = divergences(grid_oracles["n32g4"], prompts, result["tokens"], 12)
     assert not wrong, wrong
     assert result["spec_counts"]["spec_decode_num_draft_tokens"] > 0, result["spec_counts"]

@@ -104,9 +104,15 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
     # Ask the runner to move one-token rows to the front of the batch.
     reorder_batch_threshold: int = 1
 
+    @staticmethod
+    def uses_full_decode_graphs(vllm_config) -> bool:
+        """FULL decode graphs: the switch, and not under speculative decoding (its positions are planned on the
+        host, spec_decode.py)."""
+        return envs.full_decode_graphs() and vllm_config.speculative_config is None
+
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        if envs.full_decode_graphs() and vllm_config.speculative_config is None:
+        if cls.uses_full_decode_graphs(vllm_config):
             return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return cls._cudagraph_support
 
@@ -118,12 +124,11 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         self.kernels = get_kernels(torch.device(device))  # module import only: no CUDA work here
         # Speculative decoding: a ring of 1 + k state slots per request (spec_decode.py), and the runner puts rows
         # of up to 1 + k tokens first.
-        spec = vllm_config.speculative_config
-        self.ring = 1 + (int(spec.num_speculative_tokens) if spec is not None else 0)
+        self.ring = 1 + compat.num_speculative_tokens(vllm_config)
         if self.ring > 1:
             self.reorder_batch_threshold = self.ring
         # FULL decode graphs: persistent slot buffers, as large as the largest captured decode batch.
-        self.full_decode_graphs = envs.full_decode_graphs() and self.ring == 1
+        self.full_decode_graphs = self.uses_full_decode_graphs(vllm_config)
         # Prefix caching (mamba_cache_mode "align", docs/prefix-caching.md): a request's running state is in the
         # block of its last token; the blocks of the boundaries a prefill step crosses keep their states.
         self.prefix_caching = getattr(kv_cache_spec, "mamba_cache_mode", "none") == "align"

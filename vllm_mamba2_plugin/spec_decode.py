@@ -90,7 +90,7 @@ def prefill_ring(table: torch.Tensor, context_lens: torch.Tensor, query_lens: to
     rows = list(range(S)) * 2 + [r for r in range(S) for _ in offsets[r]]
     cols = ([(c + q - 1) % ring for c, q in zip(context, queries)] + [(c - 1) % ring for c in context]
             + [(context[r] + o - 1) % ring for r in range(S) for o in offsets[r]])
-    dev = upload(torch.tensor([rows, cols], dtype=torch.int64).view(2, -1), table.device)
+    dev = upload(torch.tensor([rows, cols], dtype=torch.int64), table.device)
     slots, initial, boundary = table[dev[0], dev[1]].to(torch.int64).split([S, S, len(rows) - 2 * S])
     if not boundary.numel():
         return PrefillRing(slots, initial, None, None)

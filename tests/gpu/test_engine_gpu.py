@@ -1,19 +1,16 @@
 """End to end on CUDA (vLLM 0.26 on the H200): plugin with the upstream kernels vs the step-by-step recurrence
 vs vLLM's in-tree Mamba2; eager and piecewise CUDA graphs. Skipped without CUDA (conftest)."""
 
-import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts, top5_containment
+from conftest import MODEL_VARIANTS, make_llm, prompt_lengths, random_prompts, run_engines, top5_containment
 from oracle import oracle_generate
 
 pytestmark = pytest.mark.gpu
 VOCAB = 512
 MAX_TOKENS = 24
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _gen(llm, prompts, max_tokens=MAX_TOKENS, **kw):
@@ -105,18 +102,11 @@ def test_bf16_top5_logprobs_contain_each_other(model_dirs, oracles):
 @pytest.mark.slow
 def test_in_tree_vllm_agrees_on_cuda(model_dirs, oracles):
     """vLLM's in-tree Mamba2 (the second oracle) in a subprocess with the override off, fp32 eager."""
-    import json
-
     variant = "g1"
     prompts = _prompts(variant)
-    env = dict(os.environ, VLLM_MAMBA2_PLUGIN_OVERRIDE="0")
-    req = {"runs": [{"model": model_dirs[variant], "prompts": prompts, "max_tokens": MAX_TOKENS,
-                     "llm_kwargs": {"gpu_memory_utilization": 0.04}}]}
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "engine_runner.py"),
-                           json.dumps(req)], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])[0]
+    runs = [{"model": model_dirs[variant], "prompts": prompts, "max_tokens": MAX_TOKENS,
+             "llm_kwargs": {"gpu_memory_utilization": 0.04}}]
+    [result] = run_engines(runs, {"VLLM_MAMBA2_PLUGIN_OVERRIDE": "0"}, timeout=600)
     assert result["model_class"].endswith("models.mamba2.Mamba2ForCausalLM")
     want = [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
     assert result["tokens"] == want
