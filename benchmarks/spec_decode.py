@@ -43,7 +43,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from throughput import MODELS, copy_bandwidth, device_name, sync, write_config  # noqa: E402
+from throughput import MODELS, device_name, sync, write_config  # noqa: E402
 
 CONFIGS = ("plugin", "plugin-spec", "plugin-spec-miss", "intree", "intree-spec")
 WORKLOADS = ("repetitive", "random")
@@ -319,10 +319,10 @@ def main() -> None:
     job = dict(batches=batches, workloads=workloads, k=args.k, ssm_dtype=args.ssm_dtype,
                prompt=args.prompt or (64 if smoke else 512), new=args.new or (16 if smoke else 256),
                mode=args.mode or ("eager" if smoke else "graph"))
-    bw = copy_bandwidth()
     rows = run_all(args, job, models, configs, start)
-    bw_text = f", copy bandwidth {bw / 1e12:.2f} TB/s" if bw == bw else ""
-    print(f"\n### {device_name()}{bw_text}, k {args.k}, prompt {job['prompt']}, new {job['new']}"
+    # The device as the workers saw it: the parent never touches the GPU, whose memory the engines share out.
+    device = next((r["device"] for r in rows if "device" in r), "no worker reported")
+    print(f"\n### {device}, k {args.k}, prompt {job['prompt']}, new {job['new']}"
           f"\n\n`python benchmarks/spec_decode.py {' '.join(sys.argv[1:])}`\n")
     for model in models:
         print(table(rows, model, job["mode"]))
