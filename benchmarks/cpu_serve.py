@@ -31,7 +31,7 @@ from prefix_cache import emit  # noqa: E402  (one JSON line on stdout and in --o
 
 SHAPE_130M = dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, n_groups=1, state_size=128,
                   chunk_size=256, expand=2)
-DEFAULTS = {"demo": dict(num_prompts=200, max_concurrency=32), "130m": dict(num_prompts=48, max_concurrency=16)}
+DEFAULTS = {"demo": dict(num_prompts=1000, max_concurrency=32), "130m": dict(num_prompts=48, max_concurrency=16)}
 
 
 def model_dir(name: str, root: str) -> tuple[str, list]:
@@ -106,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="demo,130m")
     ap.add_argument("--rounds", type=int, default=2, help="server pairs per model, the order alternating")
-    ap.add_argument("--num-prompts", type=int, default=0, help="default: 200 (demo), 48 (130m)")
+    ap.add_argument("--num-prompts", type=int, default=0, help="default: 1000 (demo: ~10 s at its rate), 48 (130m)")
     ap.add_argument("--max-concurrency", type=int, default=0, help="default: 32 (demo), 16 (130m)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)

