@@ -11,7 +11,10 @@ With speculative decoding (ngram) a process runs one such engine, as its last: v
 every module (``triton_utils/dispatcher.py``) fails on llvmlite's ``ffi.lib`` once the ngram proposer has imported
 numba, so a later engine in the same process would not start.
 
-With "arrive_every": N, a run adds its prompts one every N engine steps instead of all at once.
+With "arrive_every": N, a run adds its prompts one every N engine steps instead of all at once. With
+"wrong_drafts": V (a vocabulary size), the ngram proposer gives every request k drafts on every step, none of them
+the model's token (benchmarks/spec_decode.py's forced misses): every decode-only step is a uniform batch of 1 + k
+tokens per request, and every one rolls back.
 
 A run may give "rounds" (a list of prompt lists, generated one after the other on the same engine) instead of
 "prompts"; its result then has "rounds" (the tokens of each round) and "cached" (each output's prompt tokens
@@ -66,6 +69,17 @@ def staggered(llm, prompts, params, every: int) -> list:
     return [done[i] for i in range(len(prompts))]
 
 
+def wrong_drafts(vocab: int) -> None:
+    """k drafts for every request on every step, each off the model's greedy token (this process's proposer)."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    def propose(self, num_speculative_tokens, sampled_token_ids, *args, **kwargs):
+        return [[(ids[-1] + 1 + 7 * j) % vocab for j in range(num_speculative_tokens)] if ids else []
+                for ids in sampled_token_ids]
+
+    NgramProposer.propose = propose
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -76,6 +90,8 @@ def main() -> None:
         kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, seed=0)
         kwargs.update(run.get("llm_kwargs", {}))
         llm = LLM(model=run["model"], **kwargs)
+        if run.get("wrong_drafts"):  # after the start-up, whose module scan fails once numba is imported
+            wrong_drafts(run["wrong_drafts"])
         result = {"model_class": llm.apply_model(model_class)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         rounds, cached = [], []

@@ -76,7 +76,7 @@ def test_speculative_rows_run_position_by_position_through_the_state_ring():
     # (columns 0, 1 from 2), then a resumed 5-token chunk after 4 (reads column 0, its last token 8 goes to
     # column 2) and a fresh 4-token prompt (last token 3: column 0).
     builder = _builder(num_spec_tokens=2)
-    assert builder.reorder_batch_threshold == 3 and not builder.full_decode_graphs
+    assert builder.reorder_batch_threshold == 3
     meta = builder.build(0, _common_metadata([3, 1, 2, 5, 4], [7, 5, 3, 4, 0],
                                              [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42], [50, 51, 52]]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (3, 6, 2, 9)
@@ -147,8 +147,11 @@ def test_cudagraph_support_follows_the_switch(monkeypatch):
     assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None)
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", "1")
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.UNIFORM_BATCH
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "0")
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None) == AttentionCGSupport.NEVER
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
 
 
 def test_padded_decode_batch_uses_the_persistent_slot_buffer(full_graphs):
@@ -230,3 +233,48 @@ def test_prefix_caching_reads_the_last_block_and_lists_the_boundaries_a_prefill_
     # a prefill inside its last block crosses no boundary
     no_crossing = _builder(spec=spec).build(0, _common_metadata([1, 3], [4, 8], [0, 0]))
     assert no_crossing.prefill.boundary_offsets is None and no_crossing.prefill.boundary_slots is None
+
+
+RING3 = [[10, 11, 12], [20, 21, 22], [30, 31, 32], [0, 0, 0]]  # k = 2: three ring slots per request
+
+
+def _positions(meta):
+    return [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist()) for p in meta.verify]
+
+
+def test_uniform_speculative_batch_runs_from_the_persistent_buffers(full_graphs):
+    """Rows of 1 + k tokens each, then a padding row: position j's tokens are rows j, j + 3, ...; its slots are the
+    general plan's (verify_positions) in the graphs' buffers, the padding row on the null block (slot 0), every
+    build in the same buffers."""
+    builder = _builder(layers={"l0": (torch.ones(40, 3, 4), torch.ones(40, 2, 2, 2))}, num_spec_tokens=2)
+    meta = builder.build(0, _common_metadata([3, 3, 3, 0], [7, 5, 0, 0], RING3))  # row 2: a fresh 3-token prompt
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 12, 0)
+    # row 0 (7 computed) reads column 0 and writes 1, 2, 0; row 1 (5) reads 1 and writes 2, 0, 1; the fresh row 2
+    # reads column 2 (zeroed) and writes 0, 1, 2.
+    assert _positions(meta) == [([0, 3, 6, 9], [10, 21, 32, 0], [11, 22, 30, 0]),
+                                ([1, 4, 7, 10], [11, 22, 30, 0], [12, 20, 31, 0]),
+                                ([2, 5, 8, 11], [12, 20, 31, 0], [10, 21, 32, 0])]
+    general = _builder(num_spec_tokens=2)
+    general.full_decode_graphs = False
+    want = _positions(general.build(0, _common_metadata([3, 3], [7, 5], RING3[:2])))
+    assert [(t[:2], s[:2], d[:2]) for t, s, d in _positions(meta)] == want
+    buffers = builder.graph_slots
+    assert meta.verify[1].src.data_ptr() == buffers.verify_src[1].data_ptr()
+    again = builder.build(0, _common_metadata([3, 0], [4, 0], [RING3[2], RING3[3]]))
+    assert _positions(again) == [([0, 3], [30, 0], [31, 0]), ([1, 4], [31, 0], [32, 0]), ([2, 5], [32, 0], [30, 0])]
+    assert all(a.dst_i32.data_ptr() == buffers.verify_dst_i32[j].data_ptr() for j, a in enumerate(again.verify))
+
+
+def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(full_graphs):
+    pools = {"l0": (torch.ones(40, 3, 4), torch.ones(40, 2, 2, 2))}
+    builder = _builder(layers=pools, num_spec_tokens=2)
+    builder.build(0, _common_metadata([3, 3], [7, 0], RING3[:2]))
+    for pool in pools["l0"]:
+        assert [s for s in range(40) if bool((pool[s] == 0).all())] == [22]  # the fresh row's source column
+
+
+def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path(full_graphs):
+    builder = _builder(num_spec_tokens=2)
+    for qlens, ctx in (([3, 2], [7, 5]), ([3, 5], [7, 0]), ([3, 0, 3], [7, 0, 5])):
+        meta = builder.build(0, _common_metadata(qlens, ctx, RING3[:len(qlens)]))
+        assert all(p.src.data_ptr() != builder.graph_slots.verify_src.data_ptr() for p in meta.verify)

@@ -94,6 +94,21 @@ def test_grid_model_with_drafts_matches_recurrence(name, grid_dirs, grid_oracles
     assert result["spec_counts"]["spec_decode_num_draft_tokens"] > 0, result["spec_counts"]
 
 
+def test_drafts_on_every_step_roll_back_exactly(grid_dirs, grid_oracles):
+    """Every request gets k wrong drafts on every step, so every decode-only step is a uniform batch of 1 + k tokens
+    per request (the batches FULL graphs replay, built in the graphs' persistent buffers) and every step keeps only
+    its first token: the state must come back from the first column of each ring, step after step."""
+    spec = tiny_model.GRID["n16g8"]
+    prompts = repeating_prompts(spec.vocab_size, 8, spec.seed + 2)
+    [result] = run_engines([dict(model=grid_dirs["n16g8"], prompts=prompts, max_tokens=16, spec_counts=True,
+                                 wrong_drafts=spec.vocab_size, llm_kwargs={**ENGINE, "speculative_config": NGRAM})])
+    wrong, _ = divergences(grid_oracles["n16g8"], prompts, result["tokens"], 16)
+    assert not wrong, wrong
+    counts = result["spec_counts"]
+    assert counts["spec_decode_num_draft_tokens"] >= 3 * 8 * 10, counts  # k drafts on (nearly) every step
+    assert counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"] // 10, counts
+
+
 @pytest.mark.slow
 def test_tensor_parallel_with_drafts_matches_recurrence(grid_dirs, grid_oracles):
     """TP = 2 (each rank its own ring of its heads' states), compiled (Dynamo): n32g4's 16 heads and 4 groups split

@@ -27,7 +27,8 @@ CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point 
 rows of zero tokens whose block-table entry is the null block. The runner picks a FULL graph from the batch's
 shape alone (every row one token, fresh one-token prompts included), so every batch of that shape gets the graph
 metadata: every row a decode, the slots in the persistent buffers of ``decode_graph.DecodeGraphSlots``, padding
-rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py).
+rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py). Under speculative decoding
+the same holds for batches of 1 + k tokens per row (UNIFORM_BATCH, with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1).
 """
 
 from dataclasses import dataclass
@@ -106,15 +107,18 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
 
     @staticmethod
     def uses_full_decode_graphs(vllm_config) -> bool:
-        """FULL decode graphs: the switch, and not under speculative decoding (its positions are planned on the
-        host, spec_decode.py)."""
-        return envs.full_decode_graphs() and vllm_config.speculative_config is None
+        """Decode batches a FULL graph may replay get their metadata in the graphs' persistent buffers (whether
+        or not a graph replays them): the switch."""
+        return envs.full_decode_graphs()
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        if cls.uses_full_decode_graphs(vllm_config):
+        if not cls.uses_full_decode_graphs(vllm_config):
+            return cls._cudagraph_support
+        if vllm_config.speculative_config is None:
             return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return cls._cudagraph_support
+        # Speculative decoding: uniform batches of 1 + k tokens per request (envs.spec_full_graphs says why off).
+        return compat.AttentionCGSupport.UNIFORM_BATCH if envs.spec_full_graphs() else cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # stores the four arguments
@@ -137,7 +141,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         if self.full_decode_graphs:
             max_bs = vllm_config.scheduler_config.max_num_seqs
             cap = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
-            self.graph_slots = DecodeGraphSlots(min(max_bs, cap) if cap else max_bs, device, self._state_pools)
+            self.graph_slots = DecodeGraphSlots(min(max_bs, cap) if cap else max_bs, device, self._state_pools,
+                                                self.ring)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
@@ -154,7 +159,8 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         context_lens = seq_lens_cpu - query_lens
 
         if self.full_decode_graphs:
-            graph_meta = self._build_graph_decode(common_attn_metadata, query_lens, context_lens, capture=_force_decode)
+            build_graph = self._build_graph_decode if self.ring == 1 else self._build_graph_verify
+            graph_meta = build_graph(common_attn_metadata, query_lens, context_lens, capture=_force_decode)
             if graph_meta is not None:
                 return graph_meta
         num_decodes = split_decodes_first(query_lens, context_lens, self.ring)
@@ -265,6 +271,35 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=slots,
             state_indices_d_i32=slots_i32,
+        )
+
+    def _build_graph_verify(self, common_attn_metadata, query_lens, context_lens, capture: bool):
+        """Speculative decoding: metadata for a batch that a FULL graph may replay, every real row 1 + k tokens
+        (then the runner's padding rows of none), in the persistent buffers (decode_graph.py). Returns None for
+        any other batch. A fresh row starts from its zeroed source slot."""
+        num_reqs, m = common_attn_metadata.num_reqs, self.ring
+        if num_reqs == 0 or num_reqs > self.graph_slots.max_batch:
+            return None
+        num_real = int((query_lens > 0).sum())
+        if bool((query_lens[:num_real] != m).any()) or bool(query_lens[num_real:].any()):
+            return None
+        table = common_attn_metadata.block_table_tensor[:num_real]
+        context = context_lens[:num_real]
+        cols = upload((context[:, None] - 1 + torch.arange(m + 1)) % m, table.device)
+        slots = table.gather(1, cols).to(torch.int64)  # (rows, m + 1): the state before token 0, after each
+        fresh_rows = torch.nonzero(context == 0).view(-1)
+        if not capture and fresh_rows.numel():
+            self.graph_slots.zero(slots[:, 0].index_select(0, upload(fresh_rows, table.device)))
+        empty = table.new_empty(0, dtype=torch.int64)
+        return Mamba2PluginMetadata(
+            num_decodes=num_reqs,
+            num_decode_tokens=num_reqs * m,  # the padded batch's tokens, padding rows' included
+            num_prefills=0,
+            num_prefill_tokens=0,
+            chunk_size=self.chunk_size,
+            state_indices_d=empty,
+            state_indices_d_i32=empty.to(torch.int32),
+            verify=self.graph_slots.write_verify(slots, num_reqs),
         )
 
     def _state_pools(self):

@@ -9,6 +9,10 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               (as vLLM's in-tree Mamba2 does; see backend.py) and mixed steps piecewise ones.
                               "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
                               pieces). Both are token-exact against the recurrence on the GPU (tests/gpu).
+VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS
+                              "0" (default): under speculative decoding every step runs piecewise. "1": decode
+                              steps of 1 + k tokens per request replay FULL CUDA graphs too
+                              (docs/speculative-decoding.md); not yet run on a GPU, hence off.
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors; on the CPU vLLM's own
                               decode ops where the installed vLLM has them (kernels/cpu.py), the plain-torch
                               reference for the rest. "reference": the reference everywhere (debugging, oracles).
@@ -53,6 +57,10 @@ def override_in_tree() -> bool:
 
 def full_decode_graphs() -> bool:
     return _flag("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", True)
+
+
+def spec_full_graphs() -> bool:
+    return _flag("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", False)
 
 
 def _choice(name: str, allowed: tuple) -> str:

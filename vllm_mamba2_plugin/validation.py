@@ -24,7 +24,8 @@ def _refuse(what: str, fix: str) -> None:
 
 def check_engine_options(vllm_config) -> None:
     # The plugin's environment switches (envs.py): a bad value fails here, in the front-end, not in a worker.
-    envs.full_decode_graphs(), envs.kernel_choice(), envs.fast_launch(), envs.direct_launch(), envs.ssd_configs()
+    envs.full_decode_graphs(), envs.spec_full_graphs(), envs.kernel_choice(), envs.fast_launch(), envs.direct_launch()
+    envs.ssd_configs()
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     if getattr(cache, "mamba_cache_mode", "none") not in (None, "none", "align"):
