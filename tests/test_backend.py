@@ -76,7 +76,7 @@ def test_speculative_rows_run_position_by_position_through_the_state_ring():
     # (columns 0, 1 from 2), then a resumed 5-token chunk after 4 (reads column 0, its last token 8 goes to
     # column 2) and a fresh 4-token prompt (last token 3: column 0).
     builder = _builder(num_spec_tokens=2)
-    assert builder.reorder_batch_threshold == 3
+    assert builder.reorder_batch_threshold == 3 and not builder.full_decode_graphs  # VLLM_..._SPEC_FULL_GRAPHS off
     meta = builder.build(0, _common_metadata([3, 1, 2, 5, 4], [7, 5, 3, 4, 0],
                                              [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42], [50, 51, 52]]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (3, 6, 2, 9)
@@ -144,6 +144,7 @@ def test_cudagraph_support_follows_the_switch(monkeypatch):
 
     plain, speculative = SimpleNamespace(speculative_config=None), SimpleNamespace(speculative_config=object())
     monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", raising=False)  # the default: FULL decode graphs
+    monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", raising=False)  # the default: none under speculation
     assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None)
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
@@ -238,11 +239,17 @@ def test_prefix_caching_reads_the_last_block_and_lists_the_boundaries_a_prefill_
 RING3 = [[10, 11, 12], [20, 21, 22], [30, 31, 32], [0, 0, 0]]  # k = 2: three ring slots per request
 
 
+@pytest.fixture
+def spec_graphs(monkeypatch):
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "1")
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", "1")
+
+
 def _positions(meta):
     return [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist()) for p in meta.verify]
 
 
-def test_uniform_speculative_batch_runs_from_the_persistent_buffers(full_graphs):
+def test_uniform_speculative_batch_runs_from_the_persistent_buffers(spec_graphs):
     """Rows of 1 + k tokens each, then a padding row: position j's tokens are rows j, j + 3, ...; its slots are the
     general plan's (verify_positions) in the graphs' buffers, the padding row on the null block (slot 0), every
     build in the same buffers."""
@@ -265,7 +272,7 @@ def test_uniform_speculative_batch_runs_from_the_persistent_buffers(full_graphs)
     assert all(a.dst_i32.data_ptr() == buffers.verify_dst_i32[j].data_ptr() for j, a in enumerate(again.verify))
 
 
-def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(full_graphs):
+def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(spec_graphs):
     pools = {"l0": (torch.ones(40, 3, 4), torch.ones(40, 2, 2, 2))}
     builder = _builder(layers=pools, num_spec_tokens=2)
     builder.build(0, _common_metadata([3, 3], [7, 0], RING3[:2]))
@@ -273,8 +280,24 @@ def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(fu
         assert [s for s in range(40) if bool((pool[s] == 0).all())] == [22]  # the fresh row's source column
 
 
-def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path(full_graphs):
+def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path(spec_graphs):
     builder = _builder(num_spec_tokens=2)
-    for qlens, ctx in (([3, 2], [7, 5]), ([3, 5], [7, 0]), ([3, 0, 3], [7, 0, 5])):
-        meta = builder.build(0, _common_metadata(qlens, ctx, RING3[:len(qlens)]))
-        assert all(p.src.data_ptr() != builder.graph_slots.verify_src.data_ptr() for p in meta.verify)
+    buffers = builder.graph_slots.verify_src
+    for qlens, ctx in (([3, 2], [7, 5]), ([3, 5], [7, 0]), ([3, 0, 3], [7, 0, 5]), ([3] * 5, [4] * 5)):
+        meta = builder.build(0, _common_metadata(qlens, ctx, (RING3 * 2)[:len(qlens)]))  # 5 rows: above max_batch
+        assert not any(buffers[0].data_ptr() <= p.src.data_ptr() <= buffers[-1].data_ptr() for p in meta.verify)
+
+
+def test_without_the_switch_uniform_speculative_batches_are_planned_per_step(full_graphs):
+    builder = _builder(num_spec_tokens=2)
+    assert builder.graph_slots is None
+    meta = builder.build(0, _common_metadata([3, 3], [7, 5], RING3[:2]))
+    assert [p.src.tolist() for p in meta.verify] == [[10, 21], [11, 22], [12, 20]]
+
+
+def test_speculative_capture_rows_leave_the_states_alone(spec_graphs):
+    pools = {"l0": (torch.ones(8, 3, 4), torch.ones(8, 2, 2, 2))}
+    meta = _builder(layers=pools, num_spec_tokens=2).build_for_cudagraph_capture(
+        _common_metadata([3, 3], [0, 0], [[0, 0, 0], [0, 0, 0]]))
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (2, 6, 0)
+    assert all(bool((p == 1).all()) for p in pools["l0"])

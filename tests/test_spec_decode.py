@@ -96,12 +96,14 @@ def test_grid_model_with_drafts_matches_recurrence(name, grid_dirs, grid_oracles
 
 def test_drafts_on_every_step_roll_back_exactly(grid_dirs, grid_oracles):
     """Every request gets k wrong drafts on every step, so every decode-only step is a uniform batch of 1 + k tokens
-    per request (the batches FULL graphs replay, built in the graphs' persistent buffers) and every step keeps only
-    its first token: the state must come back from the first column of each ring, step after step."""
+    per request, the batches FULL graphs replay: with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1 they are planned in the
+    graphs' persistent buffers (run eagerly on the CPU). Every step keeps only its first token: the state must come
+    back from the first column of each ring, step after step."""
     spec = tiny_model.GRID["n16g8"]
     prompts = repeating_prompts(spec.vocab_size, 8, spec.seed + 2)
     [result] = run_engines([dict(model=grid_dirs["n16g8"], prompts=prompts, max_tokens=16, spec_counts=True,
-                                 wrong_drafts=spec.vocab_size, llm_kwargs={**ENGINE, "speculative_config": NGRAM})])
+                                 wrong_drafts=spec.vocab_size, llm_kwargs={**ENGINE, "speculative_config": NGRAM})],
+                           env={"VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS": "1"})
     wrong, _ = divergences(grid_oracles["n16g8"], prompts, result["tokens"], 16)
     assert not wrong, wrong
     counts = result["spec_counts"]

@@ -27,8 +27,8 @@ CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point 
 rows of zero tokens whose block-table entry is the null block. The runner picks a FULL graph from the batch's
 shape alone (every row one token, fresh one-token prompts included), so every batch of that shape gets the graph
 metadata: every row a decode, the slots in the persistent buffers of ``decode_graph.DecodeGraphSlots``, padding
-rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py). Under speculative decoding
-the same holds for batches of 1 + k tokens per row (UNIFORM_BATCH, with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1).
+rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py). Under speculative decoding,
+with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1, the same holds for batches of 1 + k tokens per row (UNIFORM_BATCH).
 """
 
 from dataclasses import dataclass
@@ -72,7 +72,7 @@ class Mamba2PluginMetadata:
     """What one engine step tells the Mamba2 mixer layers (shared by every layer of the group)."""
 
     num_decodes: int
-    num_decode_tokens: int  # == num_decodes (one token each)
+    num_decode_tokens: int  # == num_decodes (one token each), up to (1 + k) x that under speculative decoding
     num_prefills: int
     num_prefill_tokens: int
     chunk_size: int
@@ -107,9 +107,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
 
     @staticmethod
     def uses_full_decode_graphs(vllm_config) -> bool:
-        """Decode batches a FULL graph may replay get their metadata in the graphs' persistent buffers (whether
-        or not a graph replays them): the switch."""
-        return envs.full_decode_graphs()
+        """FULL decode graphs: the switch, and under speculative decoding its own (envs.spec_full_graphs says why
+        off). Batches a FULL graph may replay then get their metadata in the graphs' persistent buffers, whether
+        or not a graph replays them (the CPU runs them eagerly)."""
+        return envs.full_decode_graphs() and (vllm_config.speculative_config is None or envs.spec_full_graphs())
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
@@ -117,8 +118,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return cls._cudagraph_support
         if vllm_config.speculative_config is None:
             return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        # Speculative decoding: uniform batches of 1 + k tokens per request (envs.spec_full_graphs says why off).
-        return compat.AttentionCGSupport.UNIFORM_BATCH if envs.spec_full_graphs() else cls._cudagraph_support
+        return compat.AttentionCGSupport.UNIFORM_BATCH  # every request 1 + k tokens
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # stores the four arguments
@@ -145,8 +145,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
                                                 self.ring)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
-        """Metadata for capturing a FULL decode graph: every row is a one-token decode (the runner's dummy
-        rows carry no context, so the usual rule would call them fresh prompts)."""
+        """Metadata for capturing a FULL decode graph: every row is a decode of one token (of 1 + k under
+        speculative decoding; the runner's dummy rows carry no context, so the usual rule would call them fresh
+        prompts)."""
         self.graph_slots.check_batch(common_attn_metadata.num_reqs)
         return self.build(0, common_attn_metadata, _force_decode=True)
 

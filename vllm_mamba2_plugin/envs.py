@@ -10,9 +10,10 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
                               pieces). Both are token-exact against the recurrence on the GPU (tests/gpu).
 VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS
-                              "0" (default): under speculative decoding every step runs piecewise. "1": decode
-                              steps of 1 + k tokens per request replay FULL CUDA graphs too
-                              (docs/speculative-decoding.md); not yet run on a GPU, hence off.
+                              "0" (default): under speculative decoding every step runs piecewise, planned per
+                              step. "1" (with FULL_DECODE_GRAPHS on): decode steps of 1 + k tokens per request are
+                              planned in persistent buffers and replay FULL CUDA graphs (docs/
+                              speculative-decoding.md, Measuring); not yet run on a GPU, hence off.
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors; on the CPU vLLM's own
                               decode ops where the installed vLLM has them (kernels/cpu.py), the plain-torch
                               reference for the rest. "reference": the reference everywhere (debugging, oracles).
