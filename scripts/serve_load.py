@@ -166,7 +166,7 @@ class Server:
         a next server started meanwhile would share the CPU with its shutdown)."""
         import psutil
 
-        group = [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
+        group = self._group()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -175,9 +175,20 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         _, alive = psutil.wait_procs(group, timeout=30)
-        for p in alive:
-            p.kill()
+        # A process forked while the group was signalled (the engine core of a server stopped during its
+        # start-up) missed the signal: it keeps the group id, so a second look finds it.
+        for p in alive + self._group():
+            try:
+                p.kill()
+            except psutil.Error:  # gone meanwhile
+                pass
         self.log.close()
+
+    def _group(self) -> list:
+        """Every live process of the server's process group (its session: start_new_session)."""
+        import psutil
+
+        return [p for p in psutil.process_iter() if _pgid(p.pid) == self.proc.pid]
 
 
 def _pgid(pid: int) -> int | None:
