@@ -70,14 +70,12 @@ def staggered(llm, prompts, params, every: int) -> list:
 
 
 def wrong_drafts(vocab: int) -> None:
-    """k drafts for every request on every step, each off the model's greedy token (this process's proposer)."""
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    """k drafts for every request on every step, each off the model's greedy token: the spec benchmark's forced
+    misses, patched into this process's proposer."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from spec_decode import propose_misses
 
-    def propose(self, num_speculative_tokens, sampled_token_ids, *args, **kwargs):
-        return [[(ids[-1] + 1 + 7 * j) % vocab for j in range(num_speculative_tokens)] if ids else []
-                for ids in sampled_token_ids]
-
-    NgramProposer.propose = propose
+    propose_misses(vocab)
 
 
 def main() -> None:
