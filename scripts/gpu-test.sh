@@ -69,7 +69,7 @@ fi
 save_autotune() {  # the autotuning timings only (the compiled kernels are large and quick to rebuild)
   (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar czf "$LOG/triton-autotune.tgz" -T -) || true
 }
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tee -a "$LOG/setup.log"
+python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | tee -a "$LOG/setup.log"
 
 {
   nvidia-smi || true
