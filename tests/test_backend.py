@@ -76,7 +76,7 @@ def test_speculative_rows_run_position_by_position_through_the_state_ring():
     # (columns 0, 1 from 2), then a resumed 5-token chunk after 4 (reads column 0, its last token 8 goes to
     # column 2) and a fresh 4-token prompt (last token 3: column 0).
     builder = _builder(num_spec_tokens=2)
-    assert builder.reorder_batch_threshold == 3 and not builder.full_decode_graphs  # VLLM_..._SPEC_FULL_GRAPHS off
+    assert builder.reorder_batch_threshold == 3
     meta = builder.build(0, _common_metadata([3, 1, 2, 5, 4], [7, 5, 3, 4, 0],
                                              [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42], [50, 51, 52]]))
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (3, 6, 2, 9)
@@ -144,12 +144,12 @@ def test_cudagraph_support_follows_the_switch(monkeypatch):
 
     plain, speculative = SimpleNamespace(speculative_config=None), SimpleNamespace(speculative_config=object())
     monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", raising=False)  # the default: FULL decode graphs
-    monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", raising=False)  # the default: none under speculation
+    monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", raising=False)  # the default: uniform batches too
     assert (Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None)
             == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
-    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
-    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", "1")
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.UNIFORM_BATCH
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", "0")
+    assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
     monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS", "0")
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(plain, None) == AttentionCGSupport.NEVER
     assert Mamba2PluginMetadataBuilder.get_cudagraph_support(speculative, None) == AttentionCGSupport.NEVER
@@ -256,6 +256,7 @@ def test_uniform_speculative_batch_runs_from_the_persistent_buffers(spec_graphs)
     builder = _builder(layers={"l0": (torch.ones(40, 3, 4), torch.ones(40, 2, 2, 2))}, num_spec_tokens=2)
     meta = builder.build(0, _common_metadata([3, 3, 3, 0], [7, 5, 0, 0], RING3))  # row 2: a fresh 3-token prompt
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 12, 0)
+    assert [r.tolist() for r in meta.verify_rows] == [[0, 1, 2, 3]] * 2
     # row 0 (7 computed) reads column 0 and writes 1, 2, 0; row 1 (5) reads 1 and writes 2, 0, 1; the fresh row 2
     # reads column 2 (zeroed) and writes 0, 1, 2.
     assert _positions(meta) == [([0, 3, 6, 9], [10, 21, 32, 0], [11, 22, 30, 0]),
@@ -285,10 +286,12 @@ def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path
     buffers = builder.graph_slots.verify_src
     for qlens, ctx in (([3, 2], [7, 5]), ([3, 5], [7, 0]), ([3, 0, 3], [7, 0, 5]), ([3] * 5, [4] * 5)):
         meta = builder.build(0, _common_metadata(qlens, ctx, (RING3 * 2)[:len(qlens)]))  # 5 rows: above max_batch
+        assert meta.verify_rows is None
         assert not any(buffers[0].data_ptr() <= p.src.data_ptr() <= buffers[-1].data_ptr() for p in meta.verify)
 
 
-def test_without_the_switch_uniform_speculative_batches_are_planned_per_step(full_graphs):
+def test_without_the_switch_uniform_speculative_batches_are_planned_per_step(full_graphs, monkeypatch):
+    monkeypatch.setenv("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", "0")
     builder = _builder(num_spec_tokens=2)
     assert builder.graph_slots is None
     meta = builder.build(0, _common_metadata([3, 3], [7, 5], RING3[:2]))

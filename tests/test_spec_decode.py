@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_engines
 from grid import divergences
-from oracle import RecurrentMamba2
+from oracle import RecurrentMamba2, oracle_generate
 
 from vllm_mamba2_plugin import tiny_model
 from vllm_mamba2_plugin.spec_decode import prefill_ring, verify_positions
@@ -94,21 +94,39 @@ def test_grid_model_with_drafts_matches_recurrence(name, grid_dirs, grid_oracles
     assert result["spec_counts"]["spec_decode_num_draft_tokens"] > 0, result["spec_counts"]
 
 
-def test_drafts_on_every_step_roll_back_exactly(grid_dirs, grid_oracles):
+@pytest.mark.parametrize("uniform_plan", ["1", "0"])
+def test_drafts_on_every_step_roll_back_exactly(uniform_plan, grid_dirs, grid_oracles):
     """Every request gets k wrong drafts on every step, so every decode-only step is a uniform batch of 1 + k tokens
-    per request, the batches FULL graphs replay: with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1 they are planned in the
-    graphs' persistent buffers (run eagerly on the CPU). Every step keeps only its first token: the state must come
-    back from the first column of each ring, step after step."""
+    per request, the batches FULL graphs replay: with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1 (the default) they are
+    planned in the graphs' persistent buffers (run eagerly on the CPU), with 0 per step. Every step keeps only its
+    first token: the state must come back from the first column of each ring, step after step."""
     spec = tiny_model.GRID["n16g8"]
     prompts = repeating_prompts(spec.vocab_size, 8, spec.seed + 2)
     [result] = run_engines([dict(model=grid_dirs["n16g8"], prompts=prompts, max_tokens=16, spec_counts=True,
                                  wrong_drafts=spec.vocab_size, llm_kwargs={**ENGINE, "speculative_config": NGRAM})],
-                           env={"VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS": "1"})
+                           env={"VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS": uniform_plan})
     wrong, _ = divergences(grid_oracles["n16g8"], prompts, result["tokens"], 16)
     assert not wrong, wrong
     counts = result["spec_counts"]
     assert counts["spec_decode_num_draft_tokens"] >= 3 * 8 * 10, counts  # k drafts on (nearly) every step
     assert counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"] // 10, counts
+
+
+def test_every_number_of_accepted_drafts_resumes_from_its_column(grid_dirs, grid_oracles):
+    """k drafts per request on every step, the first a of them the recurrence's own tokens (a cycling through
+    0 .. k): uniform batches (the FULL-graph plan) whose next step reads each column of the ring in turn."""
+    name = "h64n128"
+    spec, oracle = tiny_model.GRID[name], grid_oracles[name]
+    prompts = repeating_prompts(spec.vocab_size, 8, spec.seed + 3)
+    answers = [oracle_generate(oracle, p, 16)[0] for p in prompts]
+    [result] = run_engines([dict(model=grid_dirs[name], prompts=prompts, max_tokens=16, spec_counts=True,
+                                 oracle_drafts={"answers": answers, "vocab": spec.vocab_size},
+                                 llm_kwargs={**ENGINE, "speculative_config": NGRAM})])
+    wrong, _ = divergences(oracle, prompts, result["tokens"], 16)
+    assert not wrong, wrong
+    counts = result["spec_counts"]
+    drafted, accepted = counts["spec_decode_num_draft_tokens"], counts["spec_decode_num_accepted_tokens"]
+    assert drafted >= 3 * 8 * 3 and 0.25 * drafted < accepted < 0.75 * drafted, counts
 
 
 @pytest.mark.slow

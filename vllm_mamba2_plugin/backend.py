@@ -27,8 +27,8 @@ CUDA graphs: mixed steps replay piecewise graphs (the mixer op is a split point 
 rows of zero tokens whose block-table entry is the null block. The runner picks a FULL graph from the batch's
 shape alone (every row one token, fresh one-token prompts included), so every batch of that shape gets the graph
 metadata: every row a decode, the slots in the persistent buffers of ``decode_graph.DecodeGraphSlots``, padding
-rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py). Under speculative decoding,
-with VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=1, the same holds for batches of 1 + k tokens per row (UNIFORM_BATCH).
+rows on PAD_SLOT, fresh rows' slots zeroed first (the invariants are in decode_graph.py). Under speculative decoding
+(unless VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS=0) the same holds for batches of 1 + k tokens per row (UNIFORM_BATCH).
 """
 
 from dataclasses import dataclass
@@ -84,6 +84,10 @@ class Mamba2PluginMetadata:
     # Speculative decoding (spec_decode.py): the decode rows position by position, each token's state in its ring
     # column; state_indices_d is then empty.
     verify: Optional[tuple[VerifyPosition, ...]] = None
+    # Every decode row has 1 + k tokens (the FULL-graph plan): position j's tokens are rows j, j + m, ... of the
+    # decode block (strided views, not the positions' token ids), and the mixer runs the positions on a work copy
+    # of the rows' states, whose slots these are: (R,) int64 and int32, 0 .. R-1.
+    verify_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -301,6 +305,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             state_indices_d=empty,
             state_indices_d_i32=empty.to(torch.int32),
             verify=self.graph_slots.write_verify(slots, num_reqs),
+            verify_rows=self.graph_slots.work_rows(num_reqs),
         )
 
     def _state_pools(self):

@@ -49,6 +49,7 @@ class DecodeGraphSlots:
         if ring > 1:  # speculative decoding: per position, the tokens (constant) and the source / destination slots
             rows = torch.arange(max_batch, dtype=torch.int64, device=device)
             self.verify_tokens = torch.stack([rows * ring + j for j in range(ring)])
+            self.rows, self.rows_i32 = rows, rows.to(torch.int32)
             self.verify_src = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int64, device=device)
             self.verify_dst = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int64, device=device)
             self.verify_dst_i32 = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int32, device=device)
@@ -79,6 +80,11 @@ class DecodeGraphSlots:
         dst_i32.copy_(dst)
         return tuple(VerifyPosition(self.verify_tokens[j, :num_rows], src[j], dst[j], dst_i32[j])
                      for j in range(self.ring))
+
+    def work_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 .. num_rows - 1, int64 and int32 (constant views): the slots of a verification step's work copy of
+        its rows' states."""
+        return self.rows[:num_rows], self.rows_i32[:num_rows]
 
     def check_batch(self, num_rows: int) -> None:
         """Refuse a graph batch larger than the buffers (a capture size above max_num_seqs)."""

@@ -10,10 +10,9 @@ VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS
                               "0": piecewise CUDA graphs only (the mixer op runs eagerly between captured
                               pieces). Both are token-exact against the recurrence on the GPU (tests/gpu).
 VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS
-                              "0" (default): under speculative decoding every step runs piecewise, planned per
-                              step. "1" (with FULL_DECODE_GRAPHS on): decode steps of 1 + k tokens per request are
-                              planned in persistent buffers and replay FULL CUDA graphs (docs/
-                              speculative-decoding.md, Measuring); not yet run on a GPU, hence off.
+                              "1" (default, with FULL_DECODE_GRAPHS on): under speculative decoding, decode steps of
+                              1 + k tokens per request are planned in persistent buffers and replay FULL CUDA graphs
+                              (docs/speculative-decoding.md). "0": every step runs piecewise, planned per step.
 VLLM_MAMBA2_PLUGIN_KERNELS    "auto" (default): the upstream CUDA kernels on CUDA tensors; on the CPU vLLM's own
                               decode ops where the installed vLLM has them (kernels/cpu.py), the plain-torch
                               reference for the rest. "reference": the reference everywhere (debugging, oracles).
@@ -61,7 +60,7 @@ def full_decode_graphs() -> bool:
 
 
 def spec_full_graphs() -> bool:
-    return _flag("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", False)
+    return _flag("VLLM_MAMBA2_PLUGIN_SPEC_FULL_GRAPHS", True)
 
 
 def _choice(name: str, allowed: tuple) -> str:

@@ -227,6 +227,8 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         if meta.verify is None:
             return self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                      meta.state_indices_d_i32)
+        if meta.verify_rows is not None:
+            return self._verify_uniform(ops, meta, xBC, dt, conv_state, ssm_state)
         y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         for pos in meta.verify:
             for pool in (conv_state, ssm_state):
@@ -234,6 +236,22 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y_i = self._decode_step(ops, xBC.index_select(0, pos.tokens), dt.index_select(0, pos.tokens),
                                     conv_state, ssm_state, pos.dst, pos.dst_i32)
             y.index_copy_(0, pos.tokens, y_i)
+        return y
+
+    def _verify_uniform(self, ops, meta: Mamba2PluginMetadata, xBC, dt, conv_state, ssm_state):
+        """R rows of m tokens (the FULL-graph plan): the rows' states are gathered once into a work copy, each
+        position updates that copy in place (tokens j, j + m, ...: strided views) and is then copied to its
+        destination slots: per state and position one launch and one pass over the states fewer than a slot-to-slot
+        copy before the update, and at small R the work copy stays in cache."""
+        m, (rows, rows_i32) = len(meta.verify), meta.verify_rows
+        conv_work = conv_state.index_select(0, meta.verify[0].src)
+        ssm_work = ssm_state.index_select(0, meta.verify[0].src)
+        y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
+        for j, pos in enumerate(meta.verify):
+            tokens = slice(j, None, m)
+            y[tokens] = self._decode_step(ops, xBC[tokens], dt[tokens], conv_work, ssm_work, rows, rows_i32)
+            conv_state.index_copy_(0, pos.dst, conv_work)
+            ssm_state.index_copy_(0, pos.dst, ssm_work)
         return y
 
     def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, batch: PrefillBatch):

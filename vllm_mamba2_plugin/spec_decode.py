@@ -15,8 +15,10 @@ num_computed_tokens says it all). Without speculation m = 1 and every state is c
 
 The tokens of a decoding request run one position at a time through the decode kernels (the upstream one-token
 updates, which update a slot in place): position i copies the state of its source column into its destination
-column, then updates that slot. So the outputs and states are the plain decode step's, token for token. A row on
-the prefill path short enough to carry drafts keeps its state after every token too (``prefill_ring``).
+column, then updates that slot (a uniform batch of 1 + k tokens per row runs its positions on one work copy of
+the rows' states instead: mixer._verify_uniform). So the outputs and states are the plain decode step's, token for
+token. A row on the prefill path short enough to carry drafts keeps its state after every token too
+(``prefill_ring``).
 docs/speculative-decoding.md has the whole design.
 """
 
