@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -163,7 +164,18 @@ class Server:
 
     def stop(self) -> None:
         """Stop the server and wait for every process of its group (the engine core exits after the API server:
-        a next server started meanwhile would share the CPU with its shutdown)."""
+        a next server started meanwhile would share the CPU with its shutdown). A SIGTERM meanwhile (the caller's
+        time limit, falling in a stop that a failed start began) is ignored: cut short, the stop would leave the
+        server running."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if in_main else None
+        try:
+            self._stop()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _stop(self) -> None:
         import psutil
 
         group = self._group()
