@@ -249,28 +249,34 @@ def _positions(meta):
     return [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist()) for p in meta.verify]
 
 
+def _uniform(meta):
+    plan = meta.uniform_verify
+    return plan.src.tolist(), plan.dst.tolist()
+
+
 def test_uniform_speculative_batch_runs_from_the_persistent_buffers(spec_graphs):
-    """Rows of 1 + k tokens each, then a padding row: position j's tokens are rows j, j + 3, ...; its slots are the
-    general plan's (verify_positions) in the graphs' buffers, the padding row on the null block (slot 0), every
-    build in the same buffers."""
+    """Rows of 1 + k tokens each, then a padding row: each row's source slot and its destination slot per token
+    are the general plan's (verify_positions) in the graphs' buffers, the padding row on the null block (slot 0),
+    every build in the same buffers."""
     builder = _builder(layers={"l0": (torch.ones(40, 3, 4), torch.ones(40, 2, 2, 2))}, num_spec_tokens=2)
     meta = builder.build(0, _common_metadata([3, 3, 3, 0], [7, 5, 0, 0], RING3))  # row 2: a fresh 3-token prompt
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills) == (4, 12, 0)
-    assert [r.tolist() for r in meta.verify_rows] == [[0, 1, 2, 3]] * 2
+    assert meta.verify is None
+    plan = meta.uniform_verify
+    assert plan.rows.tolist() == [0, 1, 2, 3] and plan.src_i32.tolist() == plan.src.tolist()
     # row 0 (7 computed) reads column 0 and writes 1, 2, 0; row 1 (5) reads 1 and writes 2, 0, 1; the fresh row 2
     # reads column 2 (zeroed) and writes 0, 1, 2.
-    assert _positions(meta) == [([0, 3, 6, 9], [10, 21, 32, 0], [11, 22, 30, 0]),
-                                ([1, 4, 7, 10], [11, 22, 30, 0], [12, 20, 31, 0]),
-                                ([2, 5, 8, 11], [12, 20, 31, 0], [10, 21, 32, 0])]
+    assert _uniform(meta) == ([10, 21, 32, 0], [[11, 22, 30, 0], [12, 20, 31, 0], [10, 21, 32, 0]])
     general = _builder(num_spec_tokens=2)
     general.full_decode_graphs = False
     want = _positions(general.build(0, _common_metadata([3, 3], [7, 5], RING3[:2])))
-    assert [(t[:2], s[:2], d[:2]) for t, s, d in _positions(meta)] == want
+    assert [t for t, _, _ in want] == [[0, 3], [1, 4], [2, 5]]  # the tokens of row r: r * m .. r * m + m - 1
+    assert want[0][1] == plan.src.tolist()[:2] and [d for _, _, d in want] == [d[:2] for d in plan.dst.tolist()]
     buffers = builder.graph_slots
-    assert meta.verify[1].src.data_ptr() == buffers.verify_src[1].data_ptr()
+    assert plan.dst.data_ptr() == buffers.verify_dst.data_ptr()
     again = builder.build(0, _common_metadata([3, 0], [4, 0], [RING3[2], RING3[3]]))
-    assert _positions(again) == [([0, 3], [30, 0], [31, 0]), ([1, 4], [31, 0], [32, 0]), ([2, 5], [32, 0], [30, 0])]
-    assert all(a.dst_i32.data_ptr() == buffers.verify_dst_i32[j].data_ptr() for j, a in enumerate(again.verify))
+    assert _uniform(again) == ([30, 0], [[31, 0], [32, 0], [30, 0]])
+    assert again.uniform_verify.src_i32.data_ptr() == buffers.verify_src_i32.data_ptr()
 
 
 def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(spec_graphs):
@@ -283,11 +289,12 @@ def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(sp
 
 def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path(spec_graphs):
     builder = _builder(num_spec_tokens=2)
-    buffers = builder.graph_slots.verify_src
+    buffers = builder.graph_slots.verify_dst
     for qlens, ctx in (([3, 2], [7, 5]), ([3, 5], [7, 0]), ([3, 0, 3], [7, 0, 5]), ([3] * 5, [4] * 5)):
         meta = builder.build(0, _common_metadata(qlens, ctx, (RING3 * 2)[:len(qlens)]))  # 5 rows: above max_batch
-        assert meta.verify_rows is None
-        assert not any(buffers[0].data_ptr() <= p.src.data_ptr() <= buffers[-1].data_ptr() for p in meta.verify)
+        assert meta.uniform_verify is None
+        assert not any(buffers[0, 0].data_ptr() <= p.dst.data_ptr() <= buffers[-1, -1].data_ptr()
+                       for p in meta.verify)
 
 
 def test_without_the_switch_uniform_speculative_batches_are_planned_per_step(full_graphs, monkeypatch):

@@ -41,16 +41,14 @@ def test_zero_resets_exactly_the_given_slots_in_every_pool():
     assert all(int((p == 0).flatten(1).all(1).sum()) == 2 for p in pools)
 
 
-def test_verification_positions_are_views_of_one_set_of_buffers_with_padding_on_the_null_block():
+def test_a_uniform_verification_plan_is_views_of_one_set_of_buffers_with_padding_on_the_null_block():
     g = DecodeGraphSlots(3, torch.device("cpu"), lambda: iter(()), ring=2)
     slots = torch.tensor([[5, 6, 5], [8, 9, 8]])  # each row: the state before its first token, after each token
     first = g.write_verify(slots, 3)
-    assert [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist(), p.dst_i32.tolist()) for p in first] == [
-        ([0, 2, 4], [5, 8, NULL_SLOT], [6, 9, NULL_SLOT], [6, 9, NULL_SLOT]),
-        ([1, 3, 5], [6, 9, NULL_SLOT], [5, 8, NULL_SLOT], [5, 8, NULL_SLOT])]
+    assert (first.src.tolist(), first.src_i32.tolist(), first.dst.tolist(), first.rows.tolist()) == (
+        [5, 8, NULL_SLOT], [5, 8, NULL_SLOT], [[6, 9, NULL_SLOT], [5, 8, NULL_SLOT]], [0, 1, 2])
     again = g.write_verify(slots[1:], 2)  # a smaller batch: the stale row must not stay
-    assert [p.src.tolist() for p in again] == [[8, NULL_SLOT], [9, NULL_SLOT]]
-    assert all(a.src.data_ptr() == b.src.data_ptr() and a.tokens.data_ptr() == b.tokens.data_ptr()
-               for a, b in zip(first, again))
+    assert (again.src.tolist(), again.dst.tolist()) == ([8, NULL_SLOT], [[9, NULL_SLOT], [8, NULL_SLOT]])
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     with pytest.raises(ValueError, match="exceeds the 3 persistent state slots"):
         g.write_verify(slots, 4)

@@ -40,7 +40,7 @@ from . import compat, envs
 from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
 from .kernels.interface import PrefillBatch, upload
-from .spec_decode import PrefillRing, VerifyPosition, prefill_ring, verify_positions
+from .spec_decode import PrefillRing, UniformVerify, VerifyPosition, prefill_ring, verify_positions
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -84,10 +84,8 @@ class Mamba2PluginMetadata:
     # Speculative decoding (spec_decode.py): the decode rows position by position, each token's state in its ring
     # column; state_indices_d is then empty.
     verify: Optional[tuple[VerifyPosition, ...]] = None
-    # Every decode row has 1 + k tokens (the FULL-graph plan): position j's tokens are rows j, j + m, ... of the
-    # decode block (strided views, not the positions' token ids), and the mixer runs the positions on a work copy
-    # of the rows' states, whose slots these are: (R,) int64 and int32, 0 .. R-1.
-    verify_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # Every decode row has 1 + k tokens (the FULL-graph plan; verify is then None).
+    uniform_verify: Optional[UniformVerify] = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -304,8 +302,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             chunk_size=self.chunk_size,
             state_indices_d=empty,
             state_indices_d_i32=empty.to(torch.int32),
-            verify=self.graph_slots.write_verify(slots, num_reqs),
-            verify_rows=self.graph_slots.work_rows(num_reqs),
+            uniform_verify=self.graph_slots.write_verify(slots, num_reqs),
         )
 
     def _state_pools(self):

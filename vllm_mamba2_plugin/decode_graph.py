@@ -15,9 +15,8 @@ are all one token, padding the batch to that size. A captured graph keeps the ad
    hands a slot over as its last owner left it. Capture rows are dummies and reset nothing.
 
 Under speculative decoding a graph's batch is R rows of m = 1 + k tokens each (vLLM's uniform decode batch:
-padding requests have no token, and the padded token count is R * m), run position by position
-(spec_decode.py). Position j's tokens are rows j, m + j, 2m + j, ... of the step, whatever the slots: one
-constant buffer. Its source and destination slots go into persistent (m, R) buffers as above, except that
+padding requests have no token, and the padded token count is R * m; spec_decode.UniformVerify). Each row's
+source slot and the (m, R) destination slots go into persistent buffers as above, except that
 **padding rows hold slot 0**, vLLM's null block (never a request's: its runner fills padding requests' block
 tables with it), because the verification step also copies states between slots by index, which -1 cannot
 address; whatever they leave in slot 0 no request reads. A fresh row (a prompt of m tokens, or a one-token
@@ -30,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .spec_decode import VerifyPosition
+from .spec_decode import UniformVerify
 
 PAD_SLOT = -1  # slot id of a padding row: the decode kernels skip it
 NULL_SLOT = 0  # vLLM's null block: the padding rows' slot in a verification step (module docstring)
@@ -46,13 +45,11 @@ class DecodeGraphSlots:
         self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
         self.slots_i32 = torch.full((max_batch,), PAD_SLOT, dtype=torch.int32, device=device)
         self.ring = ring
-        if ring > 1:  # speculative decoding: per position, the tokens (constant) and the source / destination slots
-            rows = torch.arange(max_batch, dtype=torch.int64, device=device)
-            self.verify_tokens = torch.stack([rows * ring + j for j in range(ring)])
-            self.rows, self.rows_i32 = rows, rows.to(torch.int32)
-            self.verify_src = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int64, device=device)
+        if ring > 1:  # speculative decoding: each row's source slot, its destination slot per token, the work rows
+            self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
+            self.verify_src = torch.full((max_batch,), NULL_SLOT, dtype=torch.int64, device=device)
+            self.verify_src_i32 = torch.full((max_batch,), NULL_SLOT, dtype=torch.int32, device=device)
             self.verify_dst = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int64, device=device)
-            self.verify_dst_i32 = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int32, device=device)
 
     def write(self, running: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers' first ``num_rows`` entries (int64, int32 views of the persistent buffers): the real rows'
@@ -65,26 +62,20 @@ class DecodeGraphSlots:
         slots_i32.copy_(slots)
         return slots, slots_i32
 
-    def write_verify(self, slots: torch.Tensor, num_rows: int) -> tuple[VerifyPosition, ...]:
-        """The positions of a batch of ``num_rows`` rows of ``ring`` tokens, as views of the persistent buffers.
+    def write_verify(self, slots: torch.Tensor, num_rows: int) -> UniformVerify:
+        """The plan of a batch of ``num_rows`` rows of ``ring`` tokens, as views of the persistent buffers.
         slots: (num_real, ring + 1) int64 device, each real row's ring columns in the order it reads and writes
         them (column 0 the state before its first token, column j + 1 the state after token j); the padding rows
         get NULL_SLOT."""
         self.check_batch(num_rows)
         num_real = slots.shape[0]
-        src, dst, dst_i32 = (b[:, :num_rows] for b in (self.verify_src, self.verify_dst, self.verify_dst_i32))
-        src[:, :num_real].copy_(slots[:, :-1].t(), non_blocking=True)
+        src, src_i32, dst = self.verify_src[:num_rows], self.verify_src_i32[:num_rows], self.verify_dst[:, :num_rows]
+        src[:num_real].copy_(slots[:, 0], non_blocking=True)
         dst[:, :num_real].copy_(slots[:, 1:].t(), non_blocking=True)
-        src[:, num_real:].fill_(NULL_SLOT)
+        src[num_real:].fill_(NULL_SLOT)
         dst[:, num_real:].fill_(NULL_SLOT)
-        dst_i32.copy_(dst)
-        return tuple(VerifyPosition(self.verify_tokens[j, :num_rows], src[j], dst[j], dst_i32[j])
-                     for j in range(self.ring))
-
-    def work_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """0 .. num_rows - 1, int64 and int32 (constant views): the slots of a verification step's work copy of
-        its rows' states."""
-        return self.rows[:num_rows], self.rows_i32[:num_rows]
+        src_i32.copy_(src)
+        return UniformVerify(src, src_i32, dst, self.rows[:num_rows])
 
     def check_batch(self, num_rows: int) -> None:
         """Refuse a graph batch larger than the buffers (a capture size above max_num_seqs)."""

@@ -31,6 +31,7 @@ from .kernels import get_kernels
 from .kernels.interface import PrefillBatch
 from .kernels.reference import row_range
 from .spec import Mamba2StateSpec, conv_dim, state_shapes
+from .spec_decode import UniformVerify
 
 OP_NAME = "mamba2_plugin_mixer"
 
@@ -214,21 +215,26 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         slots / slots_i32: the same slot ids as int64 (SSM kernel: 64-bit pool offsets) and int32 (conv
         kernel's type), both made once per step by the builder rather than cast here in every layer."""
         xBC = ops.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
+        return self._ssm_step(ops, xBC, dt, ssm_state, slots)
+
+    def _ssm_step(self, ops, xBC, dt, ssm_state, slots, out=None):
+        """The SSM update of one token per row (xBC after the conv) on the state in each row's slot; y into out
+        (B, H, P) when given."""
         x, B, C = self._split_xbc(xBC)
         if self.dt_limit_is_noop:
             return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, dt_bias=self.dt_bias,
-                                        dt_softplus=True)
+                                        dt_softplus=True, out=out)
         dt = ops.process_dt(dt, self.dt_bias, self.dt_limit)
-        return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D)
+        return ops.ssm_state_update(ssm_state, x, dt, self.A, B, C, slots, D=self.D, out=out)
 
     def _decode_block(self, ops, meta: Mamba2PluginMetadata, xBC, dt, conv_state, ssm_state):
         """The step's decode rows: one token each on its slot, or with speculative decoding the verify positions
         (spec_decode.py) one after the other, each from its source slot's state into its destination slot."""
+        if meta.uniform_verify is not None:
+            return self._verify_uniform(ops, meta.uniform_verify, xBC, dt, conv_state, ssm_state)
         if meta.verify is None:
             return self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                      meta.state_indices_d_i32)
-        if meta.verify_rows is not None:
-            return self._verify_uniform(ops, meta, xBC, dt, conv_state, ssm_state)
         y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         for pos in meta.verify:
             for pool in (conv_state, ssm_state):
@@ -238,21 +244,32 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             y.index_copy_(0, pos.tokens, y_i)
         return y
 
-    def _verify_uniform(self, ops, meta: Mamba2PluginMetadata, xBC, dt, conv_state, ssm_state):
-        """R rows of m tokens (the FULL-graph plan): the rows' states are gathered once into a work copy, each
-        position updates that copy in place (tokens j, j + m, ...: strided views) and is then copied to its
-        destination slots: per state and position one launch and one pass over the states fewer than a slot-to-slot
-        copy before the update, and at small R the work copy stays in cache."""
-        m, (rows, rows_i32) = len(meta.verify), meta.verify_rows
-        conv_work = conv_state.index_select(0, meta.verify[0].src)
-        ssm_work = ssm_state.index_select(0, meta.verify[0].src)
-        y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
-        for j, pos in enumerate(meta.verify):
-            tokens = slice(j, None, m)
-            y[tokens] = self._decode_step(ops, xBC[tokens], dt[tokens], conv_work, ssm_work, rows, rows_i32)
-            conv_state.index_copy_(0, pos.dst, conv_work)
-            ssm_state.index_copy_(0, pos.dst, ssm_work)
-        return y
+    def _verify_uniform(self, ops, plan: UniformVerify, xBC, dt, conv_state, ssm_state):
+        """R rows of m tokens (spec_decode.UniformVerify). Conv: one update over each row's m tokens on its source
+        slot, which ends holding the state after the last token, that token's column; the states after the
+        others are windows of [the saved state, the row's inputs], copied to their columns. SSM: the rows' states
+        are gathered once into a work copy, each position updates it in place and is copied to its columns (at
+        small R the work copy stays in cache). Same kernels, same order per token as plain decoding."""
+        m, R = plan.dst.shape
+        K = self.conv_kernel - 1
+        x_rows = xBC.view(R, m, -1)
+        saved = conv_state.index_select(0, plan.src)  # (R, K, D), before the update overwrites it
+        conv = ops.conv_update(x_rows, conv_state, self._conv_weight(), self.conv1d.bias, plan.src_i32,
+                               activation="silu")  # (R, m, D)
+        if m > 1:
+            # Token-major (K + m, R, D), so that the windows of positions 0 .. m - 2 are one view ((m - 1) R, K, D)
+            # in plan.dst's order: one cat and one index_copy_, no copy between.
+            history = torch.cat([saved.transpose(0, 1), x_rows.transpose(0, 1).to(saved.dtype)])
+            after = history.unfold(0, K, 1)[1:m].transpose(-1, -2).flatten(0, 1)
+            conv_state.index_copy_(0, plan.dst[:-1].reshape(-1), after)
+        ssm_slots = slot_words(ssm_state)
+        work_words = ssm_slots.index_select(0, plan.src)
+        ssm_work = work_words.view(ssm_state.dtype).view(R, *ssm_state.shape[1:])
+        y = xBC.new_empty(R, m, self.num_heads, self.head_dim)
+        for j in range(m):
+            self._ssm_step(ops, conv[:, j], dt[j::m], ssm_work, plan.rows, out=y[:, j])
+            ssm_slots.index_copy_(0, plan.dst[j], work_words)
+        return y.view(R * m, self.num_heads, self.head_dim)
 
     def _prefill_step(self, ops, xBC, dt, conv_state, ssm_state, batch: PrefillBatch):
         """The batch's packed varlen prefill rows (bounds relative to xBC): conv, then the chunked SSD scan, each
@@ -323,6 +340,21 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
         z, xBC, dt = self._split_projection(rows)
         y = self._decode_step(ops, xBC, dt, conv_pool, ssm_pool, slots, slots.to(torch.int32))
         return self._gated_norm(ops, y, z, out=rows.new_empty(rows.shape[0], self.d_inner))
+
+
+def slot_words(pool: torch.Tensor) -> torch.Tensor:
+    """A view of the pool for whole-slot copies along dim 0: (slots, words), each slot's state one row of 8-byte
+    words where its layout allows; else (slots, elements), or the pool itself when a slot is not contiguous.
+    torch's index_select / index_copy_ compute an index per element, so wider elements move the same bytes in 2-4
+    times fewer steps."""
+    rows = pool.flatten(1)
+    if rows.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr():  # flatten had to copy
+        return pool
+    size = rows.element_size()
+    if size < 8 and rows.stride(1) == 1 and (rows.shape[1] * size) % 8 == 0 and (rows.stride(0) * size) % 8 == 0 \
+            and rows.storage_offset() * size % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
 
 
 def mamba2_plugin_mixer(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

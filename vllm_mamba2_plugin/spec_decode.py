@@ -15,10 +15,9 @@ num_computed_tokens says it all). Without speculation m = 1 and every state is c
 
 The tokens of a decoding request run one position at a time through the decode kernels (the upstream one-token
 updates, which update a slot in place): position i copies the state of its source column into its destination
-column, then updates that slot (a uniform batch of 1 + k tokens per row runs its positions on one work copy of
-the rows' states instead: mixer._verify_uniform). So the outputs and states are the plain decode step's, token for
-token. A row on the prefill path short enough to carry drafts keeps its state after every token too
-(``prefill_ring``).
+column, then updates that slot (a uniform batch of 1 + k tokens per row follows ``UniformVerify`` instead:
+mixer._verify_uniform). So the outputs and states are the plain decode step's, token for token. A row on the
+prefill path short enough to carry drafts keeps its state after every token too (``prefill_ring``).
 docs/speculative-decoding.md has the whole design.
 """
 
@@ -46,6 +45,23 @@ class VerifyPosition:
     src: torch.Tensor
     dst: torch.Tensor
     dst_i32: torch.Tensor
+
+
+class UniformVerify(NamedTuple):
+    """A decode block of R rows of m = 1 + k tokens each (the FULL-graph plan, decode_graph.py): row r's tokens are
+    rows r*m .. r*m + m - 1 of the block. A row reads its column before its first token and writes all m columns,
+    so the last token's column is the one read first.
+
+    src:      (R,) int64 device: each row's slot before its first token, which also takes the state after its last
+    src_i32:  the same, int32 (the conv kernel's index type)
+    dst:      (m, R) int64 device: dst[j] the slots of the states after token j (dst[m - 1] == src)
+    rows:     (R,) int64 device, 0 .. R - 1: the slots of the mixer's work copy of the rows' states
+    """
+
+    src: torch.Tensor
+    src_i32: torch.Tensor
+    dst: torch.Tensor
+    rows: torch.Tensor
 
 
 def verify_positions(table: torch.Tensor, query_start_cpu: torch.Tensor, context_lens: torch.Tensor,

@@ -166,3 +166,17 @@ def test_the_gated_norm_matches_the_reference(shape, dtype, tol):
             buf = torch.empty_like(x)
             assert cpu.gated_rms_norm(x, gate, w, 1e-5, group_size, out=buf) is buf
             _close(buf, want, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_conv_op_runs_several_tokens_per_row_as_one_token_steps(dtype):
+    """x (B, L, D), a verification step's rows (strided views): outputs and the state after the last token equal
+    L one-token updates of the reference."""
+    t = _inputs(*SHAPES["n32g4"], dtype, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4 * 3, t["xc"].shape[1] + 5, generator=g).to(dtype)[:, 5:].unflatten(0, (4, 3))
+    pool, pool_r = t["conv_pool"].clone(), t["conv_pool"].clone()
+    y = cpu.conv_update(x, pool, t["w"], t["b"], t["slots"], "silu")
+    y_r = torch.stack([reference.conv_update(x[:, i], pool_r, t["w"], t["b"], t["slots"], "silu") for i in range(3)], 1)
+    _close(y, y_r, 1e-5 if dtype == torch.float32 else 2 ** -7)
+    assert torch.equal(pool, pool_r)

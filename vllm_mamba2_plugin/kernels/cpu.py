@@ -157,13 +157,16 @@ def conv_update(
     activation: Optional[str] = "silu",
 ) -> torch.Tensor:
     """``reference.conv_update`` through ``causal_conv1d_update_cpu_vec``, which reads the "SD" pool as vLLM's
-    in-tree layer hands it over, (slots, D, W-1) by a transposed view. A pool of another dtype than x (the op
-    would round the state to x's dtype) or a padding row goes to the reference."""
+    in-tree layer hands it over, (slots, D, W-1) by a transposed view, and L tokens per row as (B, D, L). A pool
+    of another dtype than x (the op would round the state to x's dtype) or a padding row goes to the reference."""
     if conv_states.dtype != x.dtype or weight.dtype != x.dtype or _has_padding(state_indices):
         return reference.conv_update(x, conv_states, weight, bias, state_indices, activation)
     act = "silu" if reference.check_activation(activation) else None
-    return torch.ops._C.causal_conv1d_update_cpu_vec(x, conv_states.transpose(-1, -2), weight, bias, act,
-                                                     state_indices.to(torch.int32), None, _NO_SLOT)
+    tokens = x.dim() == 3
+    out = torch.ops._C.causal_conv1d_update_cpu_vec(x.transpose(1, 2) if tokens else x,
+                                                    conv_states.transpose(-1, -2), weight, bias, act,
+                                                    state_indices.to(torch.int32), None, _NO_SLOT)
+    return out.transpose(1, 2).contiguous() if tokens else out
 
 
 def ssm_state_update(
@@ -177,22 +180,23 @@ def ssm_state_update(
     D: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``reference.ssm_state_update`` through ``selective_state_update_cpu``: dt, A, D and dt_bias broadcast over
     the head dim by stride-0 views (as vLLM's in-tree layer passes them), int32 slots."""
     if _has_padding(state_indices):
-        return reference.ssm_state_update(ssm_states, x, dt, A, B, C, state_indices, D, dt_bias, dt_softplus)
+        return reference.ssm_state_update(ssm_states, x, dt, A, B, C, state_indices, D, dt_bias, dt_softplus, out)
     P, N = ssm_states.shape[-2:]
 
     def per_dim(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # (H,) -> (H, P)
         return v if v is None or v.dim() == 2 else v[:, None].expand(-1, P)
 
     slots = state_indices.to(torch.int32)
-    out = torch.empty_like(x)
+    y = torch.empty_like(x)
     torch.ops._C.selective_state_update_cpu(
         ssm_states, x, dt[:, :, None].expand(-1, -1, P), A.to(torch.float32)[:, None, None].expand(-1, P, N), B, C,
-        per_dim(D), None, per_dim(dt_bias), dt_softplus, slots, slots, _NO_SLOT, out, None, None)
-    return out
+        per_dim(D), None, per_dim(dt_bias), dt_softplus, slots, slots, _NO_SLOT, y, None, None)
+    return y if out is None else out.copy_(y)
 
 
 def gated_rms_norm(

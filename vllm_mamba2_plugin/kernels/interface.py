@@ -152,13 +152,15 @@ class Mamba2Kernels(Protocol):
     def conv_update(self, x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor,
                     activation: Optional[str] = "silu") -> torch.Tensor:
-        """One decode token per row through the conv, the pool updated in place."""
+        """One decode token per row (x (B, D)), or L per row one after another (x (B, L, D)), through the conv,
+        the pool updated in place."""
 
     def ssm_state_update(self, ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                          B: torch.Tensor, C: torch.Tensor, state_indices: torch.Tensor,
                          D: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
-                         dt_softplus: bool = False) -> torch.Tensor:
-        """One decode token per row through the SSM, the pool updated in place."""
+                         dt_softplus: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One decode token per row through the SSM, the pool updated in place; y written into ``out`` (any
+        strides) when given."""
 
     def process_dt(self, dt_raw: torch.Tensor, dt_bias: torch.Tensor,
                    dt_limit: Tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:

@@ -425,11 +425,15 @@ def conv_update(
 ) -> torch.Tensor:
     """One decode step for a batch of requests, updating the state pool in place.
 
-    x: (B, D)  conv_states: (num_slots, W-1, D) pool, modified in place at rows state_indices
+    x: (B, D), or (B, L, D): L tokens per row, one after another (a verification step's)
+    conv_states: (num_slots, W-1, D) pool, modified in place at rows state_indices
     weight: (D, W)  bias: (D,) or None
     state_indices: (B,) int64 slot per row: distinct slots, or a negative id for a padding row (see
-      ``_padding``). Returns out (B, D) in x.dtype; padding rows give 0.
+      ``_padding``). Returns out, shaped as x, in x.dtype; padding rows give 0.
     """
+    if x.dim() == 3:
+        return torch.stack([conv_update(x[:, i], conv_states, weight, bias, state_indices, activation)
+                            for i in range(x.shape[1])], dim=1)
     idx, real = _padding(state_indices, conv_states.device)
     f32 = torch.float32
     state = conv_states[idx].to(f32)  # (B, W-1, D), a gathered copy
@@ -471,6 +475,7 @@ def ssm_state_update(
     D: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place.
 
@@ -478,7 +483,7 @@ def ssm_state_update(
     x: (B, H, P)  dt: (B, H) processed step sizes -- or raw, with dt_bias (H,) / dt_softplus: the step size is
     then softplus(dt + dt_bias) (``process_dt`` without a limit)  A: (H,)  B, C: (B, G, N)
     state_indices: (B,) int64, distinct, or negative for a padding row (``_padding``: output 0)
-    D: (H,) (or (H, P)) or None  returns y: (B, H, P) in x.dtype.
+    D: (H,) (or (H, P)) or None  returns y: (B, H, P) in x.dtype, written into ``out`` (any strides) if given.
 
     h = exp(dt A) h + dt x ⊗ B ;  y = h · C + D x. y is read from the float32 state before it is rounded to
     the pool dtype (as mamba-ssm's selective_state_update does).
@@ -507,7 +512,8 @@ def ssm_state_update(
         Df = (Df[:, None] if Df.dim() == 1 else Df).view(G, R, -1)
         y = y + xf * Df
     ssm_states[idx] = h.view(Bsz, H, P, N).to(ssm_states.dtype)
-    return torch.where(real[:, None, None], y.view(Bsz, H, P), 0.0).to(x.dtype)
+    y = torch.where(real[:, None, None], y.view(Bsz, H, P), 0.0).to(x.dtype)
+    return y if out is None else out.copy_(y)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -201,3 +201,25 @@ def test_conv_update_pool(kern, dims, width, dtypes):
     untouched = [s for s in range(16) if s not in SLOTS]
     assert torch.equal(raw[untouched].cpu(), raw_r[untouched].cpu()), "untouched slots must be bit-identical"
     assert torch.equal(raw[SLOTS, conv_bytes:].cpu(), raw_r[SLOTS, conv_bytes:].cpu()), "wrote past conv state"
+
+
+@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (BF16, F32)], ids=["f32", "bf16", "bf16-x-f32-pool"])
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_update_several_tokens_per_row_in_one_call(kern, width, dtypes):
+    """A verification step's rows of L tokens (views of the step's projection rows, row r's tokens r*L ..): one call
+    gives each token's output and leaves the state after the last, as L one-token updates of the reference."""
+    x_dtype, pool_dtype = dtypes
+    Dm, K, L = CONV_DIMS["tiny"], width - 1, 4
+    shape = (K, Dm, 2, 4, 8, pool_dtype, F32)
+    raw, conv, _ = make_pools(16, *shape, kern.dev, seed=60 + width)
+    conv_r, _, _, _ = pool_views(raw.clone(), *shape)
+    g = gen(61)
+    proj = rnd(g, len(SLOTS) * L, Dm + 11).to(kern.dev, x_dtype)
+    x = proj[:, 3:3 + Dm].unflatten(0, (len(SLOTS), L))
+    w, b = rnd(g, Dm, width, scale=0.5).to(kern.dev, x_dtype), rnd(g, Dm, scale=0.1).to(kern.dev, x_dtype)
+    idx = torch.tensor(SLOTS, dtype=torch.int64, device=kern.dev)
+    y = ck.conv_update(x, conv, w, b, idx, activation="silu")
+    y_r = torch.stack([ref.conv_update(x[:, i], conv_r, w, b, idx, activation="silu") for i in range(L)], dim=1)
+    assert y.shape == x.shape and y.dtype == x_dtype
+    assert_close(y, y_r, tol(kern, "conv", x_dtype), "outputs")
+    assert torch.equal(conv[idx].cpu(), conv_r[idx].cpu()), "the state after the last token"

@@ -154,3 +154,26 @@ def test_ssm_state_update_softplus_in_kernel(kern, name):
     y_r = ref.ssm_state_update(pool_r, x, ref.process_dt(dt_raw, dt_bias), A, B, C, idx, D=D)
     assert_close(y, y_r, tol(kern, "ssm", BF16), "y")
     assert_close(pool, pool_r, tol(kern, "ssm", F32), "states")
+
+
+@pytest.mark.parametrize("H, G, launch", [(8, 2, None), (80, 1, (16, 2))], ids=["upstream", "16x2"])
+def test_ssm_state_update_writes_y_into_a_strided_out(kern, H, G, launch):
+    """out= (a verification step's column of its (rows, m, H, P) output): the same y and states as without, the
+    other columns untouched; on an explicit launch the kernel writes through out's strides."""
+    if launch is not None and kern.name == "fake":
+        pytest.skip("launches the Triton kernel itself: GPU only")
+    P, N, Bsz, slots, m = 64, 128, 4, 9, 3
+    g = gen(71)
+    pool = (0.5 * rnd(g, slots, H, P, N)).to(kern.dev, BF16)
+    pool_r = pool.clone()
+    idx = torch.tensor([7, 2, 5, 0], device=kern.dev)
+    x, dt = rnd(g, Bsz, H, P).to(kern.dev, BF16), rnd(g, Bsz, H).to(kern.dev, BF16)
+    A, dt_bias = -torch.exp(torch.rand(H, generator=g)).to(kern.dev), rnd(g, H, scale=0.5).to(kern.dev)
+    B, C = rnd(g, Bsz, G, N).to(kern.dev, BF16), rnd(g, Bsz, G, N).to(kern.dev, BF16)
+    buf = torch.full((Bsz, m, H, P), 7.0, dtype=BF16, device=kern.dev)
+    got = ck.ssm_state_update(pool, x, dt, A, B, C, idx, dt_bias=dt_bias, dt_softplus=True, launch=launch,
+                              out=buf[:, 1])
+    want = ck.ssm_state_update(pool_r, x, dt, A, B, C, idx, dt_bias=dt_bias, dt_softplus=True, launch=launch)
+    assert got.data_ptr() == buf[:, 1].data_ptr()
+    assert torch.equal(buf[:, 1], want) and torch.equal(pool, pool_r)
+    assert bool((buf[:, 0] == 7).all()) and bool((buf[:, 2] == 7).all())

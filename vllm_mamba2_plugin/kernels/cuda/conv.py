@@ -13,8 +13,9 @@ causal-conv1d 1.7.0.
   kernel convolves through them (``_extended``). Final states are a gather of each sequence's last K inputs.
   No host sync.
 * ``conv_update``: ONE call of the update extension (what ``causal_conv1d_update`` reaches through a custom op)
-  with int32 conv_state_indices on the pool's transposed view (slots, D, K) (strides (slot, 1, D)); the C++
-  checks only shapes and dtypes, strides are free (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
+  with int32 conv_state_indices on the pool's transposed view (slots, D, K) (strides (slot, 1, D)), for one token
+  per row or L (a verification step's); the C++ checks only shapes and dtypes, strides are free
+  (causal_conv1d.cpp:479-531, causal_conv1d_update.cu:55-57).
 
 Why the direct calls: a prefill step is host-bound (benchmarks/prefill_layer.py), and the custom-op dispatch
 adds host time to every call, i.e. to every layer of every step that runs the mixer eagerly.
@@ -165,10 +166,11 @@ def conv_update(
 ) -> torch.Tensor:
     """One decode step, updating the pool in place (contract: reference.conv_update).
 
-    x: (B, D)  conv_states: (num_slots, W-1, D) pool (any slot stride, inner dims contiguous)
-    weight: (D, W)  bias: (D,) or None  state_indices: (B,) int  returns (B, D) in x.dtype.
+    x: (B, D), or (B, L, D): L tokens per row in one call  conv_states: (num_slots, W-1, D) pool (any slot
+    stride, inner dims contiguous)  weight: (D, W)  bias: (D,) or None  state_indices: (B,) int
+    returns out shaped as x, in x.dtype.
     """
-    Bsz, Dm = x.shape
+    Bsz = x.shape[0]
     reason = upstream.conv_unsupported(weight.shape[-1], x.dtype, weight.dtype)
     if reason is None and conv_states.dtype not in upstream.CONV_DTYPES:
         reason = f"causal-conv1d does not support conv state dtype {conv_states.dtype}"
@@ -181,16 +183,19 @@ def conv_update(
         upstream.fallback(reason)
         return reference.conv_update(x, conv_states, weight, bias, state_indices, activation)
     if Bsz == 0:
-        return x.new_empty(0, Dm)
+        return x.new_empty(x.shape)
     silu = reference.check_activation(activation)
     # int32, stride 1 (causal_conv1d.cpp:519-522); negative entries would be skipped (update.cu:47-54).
     idx = upstream.unit_stride(state_indices.to(device=conv_states.device, dtype=torch.int32))
     if bias is not None and bias.dtype != weight.dtype:
         bias = bias.to(weight.dtype)  # causal_conv1d.cpp:500
     # conv_state dtype must equal x dtype (causal_conv1d.cpp:479): store x in the pool's dtype.
-    xs = (x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)).unsqueeze(-1)  # (B, D, 1)
-    out = torch.empty_like(xs)
-    # Pool view (slots, D, W-1); the kernel shifts it left by one and appends x, in place.
-    upstream.kernels().conv_update(xs, conv_states.transpose(-1, -2), weight, bias, out, silu, None, idx)
-    out = out.squeeze(-1)
+    xs = x if x.dtype == conv_states.dtype else x.to(conv_states.dtype)
+    xs = xs.unsqueeze(1) if xs.dim() == 2 else xs  # (B, L, D)
+    out = torch.empty_like(xs, memory_format=torch.contiguous_format)
+    # x and out as (B, D, L) views, pool view (slots, D, W-1): the kernel runs each channel's L tokens in turn,
+    # shifting its state left and appending each, in place (update.cu:74-102).
+    upstream.kernels().conv_update(xs.transpose(1, 2), conv_states.transpose(-1, -2), weight, bias,
+                                   out.transpose(1, 2), silu, None, idx)
+    out = out.view(x.shape)
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -32,6 +32,7 @@ def ssm_state_update(
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
     launch: Optional[Tuple[int, int]] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place (contract: reference.ssm_state_update).
 
@@ -39,13 +40,14 @@ def ssm_state_update(
     dt_bias (H,) and dt_softplus=True (the kernel then computes softplus(dt + dt_bias))  A: (H,)
     B, C: (B, G, N)  state_indices: (B,) int  D: (H,) | (H, P) | None  returns y: (B, H, P) in x.dtype.
     launch: (BLOCK_SIZE_M, num_warps) for the kernel; None: ``ssu_launch_config`` (the upstream launch when it
-    has no entry).
+    has no entry). out: (B, H, P), any strides: y is written there (by the kernel itself on a table launch, which
+    takes out's strides), and returned.
     """
     Bsz, H, P = x.shape
     N = ssm_states.shape[-1]
     reference.heads_per_group(H, B.shape[-2])
     if Bsz == 0:
-        return x.new_empty(0, H, P)
+        return x.new_empty(0, H, P) if out is None else out
     ops = upstream.kernels()
     dev = x.device
     # int64 indices: the Triton kernel offsets the pool by index * slot stride (selective_state_update.py:60-65)
@@ -69,11 +71,13 @@ def ssm_state_update(
     # as torch's softplus; the kernel has no dt_limit clamp, so a clamped dt must come processed.
     cfg = launch if launch is not None else ssu_launch_config(Bsz, H, P, N, ssm_states.dtype)
     if cfg is None:
-        return ops.selective_state_update(
+        y = ops.selective_state_update(
             ssm_states, x, dt3, A3, B, C, D=D2, z=None, dt_bias=bias2.expand(H, P),
             dt_softplus=bool(dt_softplus), state_batch_indices=idx,
         )
-    return _launch_ssu(ops, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg)
+        return y if out is None else out.copy_(y)
+    return _launch_ssu(ops, ssm_states, x, dt3, bias2.expand(H, P), A3, B, C, D2, idx, bool(dt_softplus), *cfg,
+                       out=out)
 
 
 # (BLOCK_SIZE_M, num_warps) for mamba-ssm's ``_selective_scan_update_kernel``, keyed by (head_dim, d_state, state
@@ -124,12 +128,14 @@ def ssu_warm_batches(nheads: int, head_dim: int, dstate: int, state_dtype: torch
     return sorted(out)
 
 
-def _launch_ssu(ops, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int):
+def _launch_ssu(ops, state, x, dt, dt_bias, A, B, C, D, idx, dt_softplus: bool, block_m: int, num_warps: int,
+                out: Optional[torch.Tensor] = None):
     """mamba-ssm's ``_selective_scan_update_kernel`` launched exactly as its wrapper does
-    (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count."""
+    (selective_state_update.py:186-219: same arguments, z = None), but with the given tile and warp count, into
+    ``out`` when given (the kernel takes its strides)."""
     batch, nheads, dim = x.shape
     dstate = state.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     grid = ((dim + block_m - 1) // block_m, batch, nheads)
     tie_hdim = A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0
     with torch.cuda.device(x.device.index):
