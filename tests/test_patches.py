@@ -293,3 +293,38 @@ def test_the_state_move_patch_stands_aside_without_vllms_v1_collector(monkeypatc
     monkeypatch.delattr(mamba_utils, "collect_mamba_copy_meta")
     patches._batch_state_moves()
     assert not hasattr(mamba_utils, "collect_mamba_copy_meta")
+
+
+def _vllm_config():
+    return SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="none"))
+
+
+@pytest.mark.parametrize("spec_blocks", [3, 0], ids=["drafts", "no-drafts"])
+def test_states_that_do_not_fit_because_of_the_drafts_name_that_fix(monkeypatch, spec_blocks):
+    """patch 6: vLLM's check fails (one request's states exceed the cache); with drafts the error counts the 1 + k
+    states and names the k that fits, without them vLLM's own error stays. It is installed by register()."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.core import kv_cache_utils
+
+    import vllm_mamba2_plugin
+    from vllm_mamba2_plugin.spec import Mamba2StateSpec
+
+    vllm_mamba2_plugin.register()
+    assert hasattr(kv_cache_utils._check_enough_kv_cache_memory, "__wrapped__")
+    spec = dataclasses.replace(Mamba2StateSpec(shapes=((3, 40), (4, 6, 8)), dtypes=(torch.float32,) * 2,
+                                               block_size=256), num_speculative_blocks=spec_blocks)
+    per_state = spec.page_size_bytes
+    need = lambda: 24 * spec.max_memory_usage_bytes(_vllm_config())  # noqa: E731 -- 24 layers
+    available = 24 * per_state * 2 + 5 if spec_blocks else 24 * per_state - 5  # with drafts two states fit: k = 1
+    want = ("num_speculative_tokens=3 every request keeps 1 \\+ 3 = 4 Mamba2 states.*lower num_speculative_tokens "
+            "to at most 1, or give the cache more memory" if spec_blocks else "KV cache is needed")
+    with pytest.raises(ValueError, match=want):
+        kv_cache_utils._check_enough_kv_cache_memory(available, need, 2048, lambda am: 0)
+    kv_cache_utils._check_enough_kv_cache_memory(24 * per_state * (1 + spec_blocks), need, 2048, lambda am: 0)
+
+
+def test_when_not_even_one_draft_fits_the_fix_is_to_serve_without_drafts():
+    msg = patches.drafts_do_not_fit(4, 4 * 100, 150)
+    assert "serve without --speculative-config (not even one draft fits)" in msg

@@ -54,6 +54,9 @@ def register() -> None:
     if MIXER_OP not in CompilationConfig._attention_ops:
         CompilationConfig._attention_ops.append(MIXER_OP)
     _register_mamba_ssm_format()
+    from . import patches
+
+    patches.install_everywhere()
     _registered = True
 
 

@@ -76,6 +76,20 @@ engine-core process (``install_scheduler``, when the plugin's state manager is b
    Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py``). The same method and signature in 0.26.0 (read; its
    sampling under speculation not run).
    Delete when: sampling under speculative decoding is verified on every supported release.
+
+6. A start-up whose states do not fit because of the drafts names that fix
+   (``vllm.v1.core.kv_cache_utils._check_enough_kv_cache_memory``).
+   What (every process, from ``register()``; it acts only where the plugin's state spec was asked for its memory
+   and keeps more than one state per request): when vLLM finds that one request's states exceed the cache
+   memory, its ValueError is replaced by one that counts the 1 + num_speculative_tokens states a request keeps,
+   the most speculative tokens that fit, and names the fix (fewer speculative tokens, or more cache memory).
+   Why: vLLM's message says to lower max_model_len, which does not change the size of a Mamba2 state; under
+   speculative decoding the plugin keeps a state per speculative position (spec_decode.py), so k is what fills
+   the memory.
+   Verified: vLLM 0.32.0 (CPU: ``tests/test_patches.py``; the 130m shape with k = 80 and 1 GiB of cache gives the
+   plugin's error in the engine core, and the k = 53 it names starts). The same function and signature in 0.26.0
+   (read, not run). Where the function is missing the patch stands aside and vLLM's own error stays.
+   Delete when: vLLM's message accounts for speculative state blocks.
 """
 
 from . import HF_ARCH, PLUGIN_ARCH, envs
@@ -92,6 +106,13 @@ def install() -> None:
         _check_prompt_token_ids()
         _refuse_sampling_under_speculation()
         _installed.add("token_ids")
+
+
+def install_everywhere() -> None:
+    """The patches of every process: called from ``register()``."""
+    if "drafts_fit" not in _installed:
+        _name_the_fix_when_drafts_do_not_fit()
+        _installed.add("drafts_fit")
 
 
 def install_worker() -> None:
@@ -158,6 +179,41 @@ def _refuse_sampling_under_speculation() -> None:
 
     _validate_params.__wrapped__ = original
     InputProcessor._validate_params = _validate_params
+
+
+def drafts_do_not_fit(states_per_request: int, needed: int, available: int) -> str:
+    """patches.py, 6: the start-up error when one request's 1 + k states (``needed`` bytes) exceed ``available``."""
+    k, per_state, gib = states_per_request - 1, needed / states_per_request, 2 ** 30
+    fits = int(available // per_state) - 1
+    fix = (f"lower num_speculative_tokens to at most {fits}" if fits >= 1
+           else "serve without --speculative-config (not even one draft fits)")
+    return (f"vllm-mamba2-plugin: with num_speculative_tokens={k} every request keeps 1 + {k} = {states_per_request} "
+            f"Mamba2 states, {needed / gib:.3f} GiB for one request, more than the {available / gib:.3f} GiB of "
+            f"cache memory. To fix: {fix}, or give the cache more memory (--gpu-memory-utilization on a GPU, "
+            "VLLM_CPU_KVCACHE_SPACE on the CPU). A shorter max_model_len does not shrink a Mamba2 state.")
+
+
+def _name_the_fix_when_drafts_do_not_fit() -> None:
+    from vllm.v1.core import kv_cache_utils
+
+    from .spec import STATES_ASKED
+
+    original = getattr(kv_cache_utils, "_check_enough_kv_cache_memory", None)
+    if original is None:
+        return
+
+    def _check_enough_kv_cache_memory(available_memory, get_needed_memory, *args, **kwargs):
+        STATES_ASKED.clear()
+        try:
+            return original(available_memory, get_needed_memory, *args, **kwargs)
+        except ValueError as e:
+            states = max(STATES_ASKED, default=1)
+            if states == 1:
+                raise
+            raise ValueError(drafts_do_not_fit(states, get_needed_memory(), available_memory)) from e
+
+    _check_enough_kv_cache_memory.__wrapped__ = original
+    kv_cache_utils._check_enough_kv_cache_memory = _check_enough_kv_cache_memory
 
 
 def _batch_state_moves() -> None:

@@ -35,6 +35,15 @@ def state_shapes(config, tp: int = 1) -> tuple[tuple[int, int], tuple[int, int, 
             (config.num_heads // tp, config.head_dim, config.state_size))
 
 
+# The states per request of the plugin's layers, each time vLLM's memory check asked them (1 + the speculative
+# tokens): patches.py, 6, names the fix from it when they do not fit.
+STATES_ASKED: list = []
+
+
 @dataclass(frozen=True)
 class Mamba2StateSpec(MambaSpec):
     """MambaSpec for the plugin's Mamba2 mixer layers (same fields, own manager)."""
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        STATES_ASKED.append(1 + self.num_speculative_blocks)
+        return super().max_memory_usage_bytes(vllm_config)
