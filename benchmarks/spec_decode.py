@@ -49,6 +49,7 @@ CONFIGS = ("plugin", "plugin-spec", "plugin-spec-miss", "intree", "intree-spec")
 WORKLOADS = ("repetitive", "random")
 SPAN = 32  # the repeated span of the repetitive prompts
 WARM_NEW = 8
+PROFILE_NEW = 32  # new tokens per request of the --profile run: ~9 verification steps at full acceptance
 
 
 def make_prompts(workload: str, batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -110,6 +111,10 @@ def make_llm(job: dict):
                                                                                          for b in batches]))}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.85
+    if job.get("profile_dir"):
+        # As throughput.py --profile: engine core only, no stacks; nothing is recorded until start_profile().
+        kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
+                                         torch_profiler_with_stack=False, ignore_frontend=True)
     return LLM(**kwargs)
 
 
@@ -161,6 +166,14 @@ def worker(job: dict) -> None:
                        tokens_sha1=hashlib.sha1(json.dumps(tokens).encode()).hexdigest(), first_tokens=tokens[0][:16])
             row.update(acceptance(before, spec_counts(llm)))
             print("RESULT " + json.dumps(row), flush=True)
+    if job.get("profile_dir"):  # after the timed cells, which it would slow down
+        params = SamplingParams(temperature=0.0, max_tokens=PROFILE_NEW, ignore_eos=True, detokenize=False)
+        llm.start_profile()
+        for batch in job["batches"]:
+            prompts = make_prompts(job["workloads"][0], batch, job["prompt"], vocab)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        llm.stop_profile()  # writes the gzipped trace: benchmarks/trace_steps.py reads it
+        print(f"profiled -> {job['profile_dir']}", flush=True)
 
 
 def acceptance(before: dict, after: dict) -> dict:
@@ -258,6 +271,9 @@ def parse_args():
     ap.add_argument("--timeout", type=float, default=300, help="seconds per worker")
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
     ap.add_argument("--out", default="spec_decode.jsonl", help="JSONL of the rows (appended)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed cells, a torch-profiler trace of one run per batch (first workload, "
+                         f"{PROFILE_NEW} new tokens) under <out>-workers/profile-<model>-<config>-<mode>/")
     ap.add_argument("--report", action="store_true", help="run nothing: the tables of the rows in --out")
     ap.add_argument("--smoke", action="store_true", help="model tiny, prompt 64, new 16, batches 1,2, eager: a CPU")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -291,7 +307,8 @@ def run_all(args, job: dict, models: list, configs: list, start: float) -> list:
                 env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
             log = os.path.join(out_dir, f"{model}-{config}-{job['mode']}.log")
             t = time.monotonic()
-            error = run_worker(dict(job, model=model, model_dir=model_dir, config=config), env,
+            profile_dir = os.path.join(out_dir, f"profile-{model}-{config}-{job['mode']}") if args.profile else None
+            error = run_worker(dict(job, model=model, model_dir=model_dir, config=config, profile_dir=profile_dir), env,
                                min(args.timeout, left), log, record)
             print(f"{model}/{config}: {time.monotonic() - t:.0f} s, log {log}", flush=True)
             if error:

@@ -3,7 +3,8 @@
     python benchmarks/trace_steps.py out/profile-2.7b-plugin-graph [out/profile-2.7b-intree-graph ...]
 
 vLLM's worker wraps every engine step in a ``execute_context_<reqs>(<tokens>)_generation_<reqs>(<tokens>)``
-annotation. Each step is classified as decode (no context tokens), prefill (no generation tokens) or mixed, and
+annotation. Each step is classified as decode (no context tokens; "decode b16 t64": 16 requests of 64 tokens, a
+verification step), prefill (no generation tokens) or mixed, and
 for each class the script prints, averaged over its steps:
   host     the annotation's duration (CPU time of the step's model execution call)
   period   start of this step to start of the next (the engine's real cadence: scheduling, sampling, output
@@ -110,9 +111,11 @@ def analyse(events: list, top: int, step_bytes=None) -> str:
                 if ctx_t == 0 and gen_t == 0:
                     continue  # empty step (run end)
                 kind = "decode" if ctx_t == 0 else "prefill" if gen_t == 0 else "mixed"
-                # Decode steps by batch, prefill steps by prompt count (a 1 x 512 first step and the 2 x 4 096 steps
-                # of the prefill-heavy run are different animals).
-                key = f"decode b{gen_r}" if kind == "decode" else f"prefill r{ctx_r}" if kind == "prefill" else kind
+                # Decode steps by batch (and under speculative decoding by their token count), prefill steps by
+                # prompt count (a 1 x 512 first step and the 2 x 4 096 steps of the prefill-heavy run are different
+                # animals).
+                key = (f"decode b{gen_r}" + (f" t{gen_t}" if gen_t != gen_r else "") if kind == "decode"
+                       else f"prefill r{ctx_r}" if kind == "prefill" else kind)
                 steps.append(dict(key=key, ts=e["ts"], dur=e["dur"], end=e["ts"] + e["dur"], tid=e.get("tid"),
                                   tokens=ctx_t + gen_t))
     steps.sort(key=lambda s: s["ts"])
@@ -169,7 +172,7 @@ def analyse(events: list, top: int, step_bytes=None) -> str:
         lines.append(f"   top kernels (µs per step, launches per step):")
         for name, t in kt.most_common(top):
             lines.append(f"     {t / n:9.1f}  {kc[name] / n:6.1f}  {name}")
-        if step_bytes is not None and key.startswith("decode b"):
+        if step_bytes is not None and key.startswith("decode b") and " t" not in key:
             lines += bandwidth_lines(full, n, step_bytes(int(key[len("decode b"):])))
         st = collections.Counter()
         for i in idx:

@@ -11,10 +11,11 @@ import throughput  # noqa: E402
 import trace_steps  # noqa: E402
 
 
-def _trace(batch, kernels):
-    """One decode step of ``batch`` requests (0..1000 µs) launching ``kernels`` ((name, µs), one after the other)."""
-    events = [dict(ph="X", cat="user_annotation", name=f"execute_context_0(0)_generation_{batch}({batch})", ts=0.0,
-                   dur=1000.0, tid=1)]
+def _trace(batch, kernels, tokens=None):
+    """One decode step of ``batch`` requests (0..1000 µs; ``tokens`` tokens, default one each) launching
+    ``kernels`` ((name, µs), one after the other)."""
+    name = f"execute_context_0(0)_generation_{batch}({tokens or batch})"
+    events = [dict(ph="X", cat="user_annotation", name=name, ts=0.0, dur=1000.0, tid=1)]
     t = 2000.0
     for i, (name, dur) in enumerate(kernels):
         events.append(dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=10.0 + i, dur=1.0, tid=1,
@@ -40,3 +41,11 @@ def test_decode_bandwidth_by_kernel_family():
     # 2.7b at batch 256: 64 layers x 256 x (80 x 64 x 128 x 2 bytes), read and written: 42.9 GB, + activations
     assert 42.9e9 < want["state update"] < 43.5e9
     assert "by kernel family" not in trace_steps.analyse(_trace(256, kernels), 10)  # only with --model
+
+
+def test_verification_steps_are_a_class_of_their_own_without_bandwidth_lines():
+    """Under speculative decoding a step of 16 requests and 64 tokens is "decode b16 t64", not plain decoding."""
+    out = trace_steps.analyse(_trace(16, [("_selective_scan_update_kernel", 40.0)], tokens=64), 10,
+                              lambda b: throughput.decode_bytes_by_kernel("2.7b", b, (2, 2)))
+    assert out.splitlines()[0].startswith("== decode b16 t64: 1 steps, 64 tokens/step")
+    assert "GB/s" not in out
