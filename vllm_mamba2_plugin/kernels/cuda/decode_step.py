@@ -31,17 +31,17 @@ def ssm_state_update(
     D: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
-    launch: Optional[Tuple[int, int]] = None,
     out: Optional[torch.Tensor] = None,
+    launch: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """One decode step of the SSM recurrence, updating the pool in place (contract: reference.ssm_state_update).
 
     ssm_states: (num_slots, H, P, N) pool (any slot stride)  x: (B, H, P)  dt: (B, H) processed, or raw with
     dt_bias (H,) and dt_softplus=True (the kernel then computes softplus(dt + dt_bias))  A: (H,)
     B, C: (B, G, N)  state_indices: (B,) int  D: (H,) | (H, P) | None  returns y: (B, H, P) in x.dtype.
-    launch: (BLOCK_SIZE_M, num_warps) for the kernel; None: ``ssu_launch_config`` (the upstream launch when it
-    has no entry). out: (B, H, P), any strides: y is written there (by the kernel itself on a table launch, which
-    takes out's strides), and returned.
+    out: (B, H, P), any strides: y is written there (by the kernel itself on a table launch, which takes out's
+    strides), and returned. launch: (BLOCK_SIZE_M, num_warps) for the kernel; None: ``ssu_launch_config`` (the
+    upstream launch when it has no entry).
     """
     Bsz, H, P = x.shape
     N = ssm_states.shape[-1]
