@@ -13,7 +13,8 @@ Configs: ``plugin`` (no speculation), ``plugin-spec`` (ngram drafts: k = --k, pr
 verification costs when every draft misses),
 ``intree`` / ``intree-spec`` (vLLM's own Mamba2ForCausalLM, VLLM_PLUGINS=""). A worker that fails or runs past
 --timeout gives an error row, and the others still run; with under 60 s of --budget left the rest are skipped.
-In graph mode the plugin's decode steps run in FULL CUDA graphs, under speculation in piecewise ones.
+In graph mode the plugin's decode steps run in FULL CUDA graphs, under speculation those whose every request has
+1 + k tokens (the others in piecewise ones).
 Every engine runs in the worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so -miss can patch its proposer.
 Weights: vLLM's dummy random init. Greedy decoding, EOS ignored. A random-weight model's greedy output soon falls
 into a short loop, which ngram drafts find too: the acceptance is not that of real text.
