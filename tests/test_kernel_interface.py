@@ -5,6 +5,7 @@ upstream package, so this runs anywhere."""
 import inspect
 
 import pytest
+import torch
 
 from vllm_mamba2_plugin.kernels import cpu, cuda, reference
 from vllm_mamba2_plugin.kernels.interface import Mamba2Kernels
@@ -25,6 +26,11 @@ def test_the_implementation_exports_the_member_with_its_parameters(module, name)
     assert [p.name for p in got[:len(want)]] == [p.name for p in want]
     assert [p.default for p in got[:len(want)]] == [p.default for p in want]
     assert all(p.default is not inspect.Parameter.empty for p in got[len(want):]), "extra parameters need defaults"
+
+
+@pytest.mark.parametrize("module", [reference, cuda, cpu], ids=["reference", "cuda", "cpu"])
+def test_the_implementation_names_its_state_update_index_type(module):
+    assert module.STATE_UPDATE_INDEX_DTYPE in (torch.int32, torch.int64)
 
 
 def test_the_interface_is_what_the_modules_list():

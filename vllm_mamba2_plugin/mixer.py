@@ -212,10 +212,12 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     def _decode_step(self, ops, xBC, dt, conv_state, ssm_state, slots, slots_i32):
         """One token per row on top of the state in each row's slot: conv update, then SSM update.
-        slots / slots_i32: the same slot ids as int64 (SSM kernel: 64-bit pool offsets) and int32 (conv
-        kernel's type), both made once per step by the builder rather than cast here in every layer."""
+        slots / slots_i32: the same slot ids as int64 and int32 (the conv kernels' type; the SSM's is the
+        implementation's STATE_UPDATE_INDEX_DTYPE), both made once per step by the builder rather than cast here
+        in every layer."""
         xBC = ops.conv_update(xBC, conv_state, self._conv_weight(), self.conv1d.bias, slots_i32, activation="silu")
-        return self._ssm_step(ops, xBC, dt, ssm_state, slots)
+        return self._ssm_step(ops, xBC, dt, ssm_state, slots_i32 if ops.STATE_UPDATE_INDEX_DTYPE == torch.int32
+                              else slots)
 
     def _ssm_step(self, ops, xBC, dt, ssm_state, slots, out=None):
         """The SSM update of one token per row (xBC after the conv) on the state in each row's slot; y into out

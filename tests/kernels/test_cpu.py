@@ -74,6 +74,21 @@ def test_padding_rows_and_a_pool_of_another_dtype_go_to_the_reference(monkeypatc
     assert called == ["conv_update"]
 
 
+def test_the_cached_parameter_broadcasts_see_parameters_loaded_in_place():
+    """A layer's broadcasts of A, D and dt_bias are made once and reused by later calls; parameters loaded in
+    place, and slots written in place (a padding row the second time), must still give the reference's result."""
+    t = _inputs(*SHAPES["n32g4"], torch.float32, torch.float32)
+    for _ in range(2):
+        for got, want in zip(_run(cpu, t, True), _run(reference, t, True)):
+            _close(got, want, 1e-5)
+        t["slots"].copy_(torch.tensor([1, -1, 3, 11]))  # now a padding row: the reference's path
+        t["A"].mul_(0.5)
+        t["dt_bias"].add_(0.25)
+        for got, want in zip(_run(cpu, t, True), _run(reference, t, True)):
+            _close(got, want, 1e-5)
+        t["slots"].copy_(torch.tensor([0, 4, 6, 8]))
+
+
 def test_auto_selection_picks_the_cpu_ops_and_the_switch_the_reference(monkeypatch):
     monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_KERNELS", raising=False)
     assert get_kernels(torch.device("cpu")) is cpu

@@ -55,9 +55,30 @@ def _has_op(name: str, args: tuple) -> bool:
     return tuple(a.name for a in schema.arguments) == args
 
 
+_HEAD_VIEWS: dict = {}  # id(A) -> (A, D, dt_bias, P, N, views): each layer's broadcast parameters
+STATE_UPDATE_INDEX_DTYPE = torch.int32  # (interface.Mamba2Kernels) the ops' slot type
+
+
 def _has_padding(slots: torch.Tensor) -> bool:
     """Whether a row is on a negative slot, by numpy: the torch comparison costs several times more per layer."""
     return slots.numel() > 0 and int(slots.numpy().min()) < 0
+
+
+def _head_views(A: torch.Tensor, D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], P: int, N: int):
+    """A (H, P, N) float32, D and dt_bias (H, P): the stride-0 broadcasts the op takes, made once per layer. Views
+    of the parameters, so later in-place loads show through (a float32 A: ``to`` returns A itself; another
+    dtype is converted per call)."""
+    hit = _HEAD_VIEWS.get(id(A))
+    if hit is not None and hit[0] is A and hit[1] is D and hit[2] is dt_bias and hit[3:5] == (P, N):
+        return hit[5]
+
+    def per_dim(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # (H,) -> (H, P)
+        return v if v is None or v.dim() == 2 else v[:, None].expand(-1, P)
+
+    views = (A.to(torch.float32)[:, None, None].expand(-1, P, N), per_dim(D), per_dim(dt_bias))
+    if A.dtype == torch.float32:
+        _HEAD_VIEWS[id(A)] = (A, D, dt_bias, P, N, views)
+    return views
 
 
 def available() -> bool:
@@ -187,16 +208,14 @@ def ssm_state_update(
     if _has_padding(state_indices):
         return reference.ssm_state_update(ssm_states, x, dt, A, B, C, state_indices, D, dt_bias, dt_softplus, out)
     P, N = ssm_states.shape[-2:]
-
-    def per_dim(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # (H,) -> (H, P)
-        return v if v is None or v.dim() == 2 else v[:, None].expand(-1, P)
-
+    A3, D2, bias2 = _head_views(A, D, dt_bias, P, N)
+    direct = out is not None and out.is_contiguous()  # the op writes y densely
+    y = out if direct else torch.empty_like(x)
     slots = state_indices.to(torch.int32)
-    y = torch.empty_like(x)
     torch.ops._C.selective_state_update_cpu(
-        ssm_states, x, dt[:, :, None].expand(-1, -1, P), A.to(torch.float32)[:, None, None].expand(-1, P, N), B, C,
-        per_dim(D), None, per_dim(dt_bias), dt_softplus, slots, slots, _NO_SLOT, y, None, None)
-    return y if out is None else out.copy_(y)
+        ssm_states, x, dt[:, :, None].expand(-1, -1, P), A3, B, C, D2, None, bias2, dt_softplus, slots, slots,
+        _NO_SLOT, y, None, None)
+    return y if out is None or direct else out.copy_(y)
 
 
 def gated_rms_norm(

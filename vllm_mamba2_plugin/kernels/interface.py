@@ -126,6 +126,10 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Mamba2Kernels(Protocol):
+    # The integer type of the slot ids that ssm_state_update takes without a cast: the mixer passes the step's
+    # slots in it (every layer would otherwise cast them again). Other integer types are cast.
+    STATE_UPDATE_INDEX_DTYPE: torch.dtype
+
     def plan_prefill(self, cu_seqlens_cpu: torch.Tensor, has_initial_state_cpu: Optional[torch.Tensor],
                      num_tokens: int, chunk_size: int, conv_width: int, device: torch.device,
                      boundary_offsets: Optional[list] = None) -> object:

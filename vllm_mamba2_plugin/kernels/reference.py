@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from .interface import ConvResult, PrefillBatch, ScanResult
 
+STATE_UPDATE_INDEX_DTYPE = torch.int64  # (interface.Mamba2Kernels) any integer type indexes the pool
+
 __all__ = [
     "segsum",
     "plan_prefill",

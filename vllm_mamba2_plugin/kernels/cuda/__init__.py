@@ -18,12 +18,16 @@ Importing this package imports neither mamba_ssm nor causal_conv1d (``upstream.k
 call): plugin import and ``register()`` must not touch CUDA.
 """
 
+import torch
+
 from ..reference import process_dt  # noqa: F401  (plain torch; the mixer's prefill path lets the SSD kernel do it)
 from .conv import causal_conv1d, conv_states_at, conv_update
 from .decode_step import ssm_state_update
 from .norm import gated_rms_norm
 from .ssd_prefill import plan_prefill, ssd_chunk_scan
 from .warmup import warm_up
+
+STATE_UPDATE_INDEX_DTYPE = torch.int64  # (interface.Mamba2Kernels) decode_step: 64-bit pool offsets
 
 __all__ = [
     "plan_prefill",
