@@ -238,8 +238,9 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
             return self._decode_step(ops, xBC, dt, conv_state, ssm_state, meta.state_indices_d,
                                      meta.state_indices_d_i32)
         y = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
+        pools = (slot_words(conv_state), slot_words(ssm_state))
         for pos in meta.verify:
-            for pool in (conv_state, ssm_state):
+            for pool in pools:
                 pool.index_copy_(0, pos.dst, pool.index_select(0, pos.src))
             y_i = self._decode_step(ops, xBC.index_select(0, pos.tokens), dt.index_select(0, pos.tokens),
                                     conv_state, ssm_state, pos.dst, pos.dst_i32)
