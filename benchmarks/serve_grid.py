@@ -6,7 +6,8 @@ n = 2, disconnects; ``--bad-inputs``), every token checked against the float64 r
 (model, mode): exact, wrong (with the oracle's margins), near-ties, failed requests, whether every bad input got
 its 4xx, the start-up and load times, and serve_load's verdict. The server arguments are those of the fp32 grid
 runs (``SERVER_ARGS``); modes: "full" (the default: FULL decode graphs), "piecewise" (the plugin's FULL decode
-graphs off), "eager" (--enforce-eager). ``--speculative-config`` serves every model with speculative decoding.
+graphs off), "eager" (--enforce-eager). ``--speculative-config`` serves every model with speculative decoding,
+``--prefix-caching`` with prefix caching (both: the two together).
 
     python benchmarks/serve_grid.py --impl plugin --modes full,piecewise,eager --out serve_grid.jsonl \
         --env MAMBA_DETERMINISTIC=1 --env TRITON_CACHE_AUTOTUNING=0    # on the GPU: one config per kernel
@@ -60,6 +61,7 @@ def serve_load_cmd(args, model_dir: str, answers: str, report: str, log: str, mo
     for e in env + args.env:
         cmd += ["--env", e]
     spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    spec += ["--enable-prefix-caching"] if args.prefix_caching else []
     return cmd + ["--"] + SERVER_ARGS + extra + spec + (SHARED_GPU_ARGS if args.parallel > 1 else [])
 
 
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--speculative-config", default=None,
                     help='JSON for every server\'s --speculative-config, e.g. \'{"method": "ngram", '
                          '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\'')
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="every server with --enable-prefix-caching (serve_load.py then also requires cache hits)")
     ap.add_argument("--model-dir", default="/tmp/grid-models")
     ap.add_argument("--answers-dir", default="/tmp/grid-answers")
     ap.add_argument("--answers-only", action="store_true")

@@ -121,7 +121,7 @@ def main() -> None:
         if run.get("wrong_drafts"):  # after the start-up, whose module scan fails once numba is imported
             wrong_drafts(run["wrong_drafts"])
         if run.get("oracle_drafts"):
-            oracle_drafts(run["prompts"], **run["oracle_drafts"])
+            oracle_drafts(run.get("prompts") or sum(run["rounds"], []), **run["oracle_drafts"])
         result = {"model_class": llm.apply_model(model_class)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         rounds, cached = [], []

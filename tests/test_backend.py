@@ -71,10 +71,11 @@ def test_build_mixed_batch():
 
 
 def test_speculative_rows_run_position_by_position_through_the_state_ring():
-    # k = 2: a ring of 3 slots per request. Rows: a verify row of 3 tokens after 7 computed (positions 7, 8, 9:
-    # columns 1, 2, 0 from column 0), one of 1 token after 5 (column 2 from 1), a 2-token row with state after 3
-    # (columns 0, 1 from 2), then a resumed 5-token chunk after 4 (reads column 0, its last token 8 goes to
-    # column 2) and a fresh 4-token prompt (last token 3: column 0).
+    # k = 2: a ring of 3 slots per request, the state after position p in column (-1 - p) mod 3. Rows: a verify
+    # row of 3 tokens after 7 computed (positions 7, 8, 9: columns 1, 0, 2 from column 2), one of 1 token after 5
+    # (column 0 from 1), a 2-token row with state after 3 (columns 2, 1 from 0), then a resumed 5-token chunk
+    # after 4 (reads column 2, its last token 8 goes to column 0) and a fresh 4-token prompt (last token 3:
+    # column 2).
     builder = _builder(num_spec_tokens=2)
     assert builder.reorder_batch_threshold == 3
     meta = builder.build(0, _common_metadata([3, 1, 2, 5, 4], [7, 5, 3, 4, 0],
@@ -82,12 +83,12 @@ def test_speculative_rows_run_position_by_position_through_the_state_ring():
     assert (meta.num_decodes, meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (3, 6, 2, 9)
     assert meta.state_indices_d.numel() == 0
     got = [(p.tokens.tolist(), p.src.tolist(), p.dst.tolist()) for p in meta.verify]
-    assert got == [([0, 3, 4], [10, 21, 32], [11, 22, 30]),  # position 0 of every row
-                   ([1, 5], [11, 30], [12, 31]),
-                   ([2], [12], [10])]
+    assert got == [([0, 3, 4], [12, 21, 30], [11, 20, 32]),  # position 0 of every row
+                   ([1, 5], [11, 32], [10, 31]),
+                   ([2], [10], [12])]
     assert all(p.dst_i32.dtype == torch.int32 and p.dst_i32.tolist() == p.dst.tolist() for p in meta.verify)
-    assert meta.prefill.slots.tolist() == [42, 50]
-    assert meta.prefill.initial_slots.tolist()[0] == 40  # the fresh prompt's is never read
+    assert meta.prefill.slots.tolist() == [40, 52]
+    assert meta.prefill.initial_slots.tolist()[0] == 42  # the fresh prompt's is never read
     assert meta.prefill.resumes_cpu.tolist() == [True, False]
 
 
@@ -264,9 +265,9 @@ def test_uniform_speculative_batch_runs_from_the_persistent_buffers(spec_graphs)
     assert meta.verify is None
     plan = meta.uniform_verify
     assert plan.rows.tolist() == [0, 1, 2, 3] and plan.src_i32.tolist() == plan.src.tolist()
-    # row 0 (7 computed) reads column 0 and writes 1, 2, 0; row 1 (5) reads 1 and writes 2, 0, 1; the fresh row 2
-    # reads column 2 (zeroed) and writes 0, 1, 2.
-    assert _uniform(meta) == ([10, 21, 32, 0], [[11, 22, 30, 0], [12, 20, 31, 0], [10, 21, 32, 0]])
+    # column (-1 - p) mod 3: row 0 (7 computed) reads column 2 and writes 1, 0, 2; row 1 (5) reads 1 and writes
+    # 0, 2, 1; the fresh row 2 reads column 0 (zeroed) and writes 2, 1, 0.
+    assert _uniform(meta) == ([12, 21, 30, 0], [[11, 20, 32, 0], [10, 22, 31, 0], [12, 21, 30, 0]])
     general = _builder(num_spec_tokens=2)
     general.full_decode_graphs = False
     want = _positions(general.build(0, _common_metadata([3, 3], [7, 5], RING3[:2])))
@@ -275,7 +276,7 @@ def test_uniform_speculative_batch_runs_from_the_persistent_buffers(spec_graphs)
     buffers = builder.graph_slots
     assert plan.dst.data_ptr() == buffers.verify_dst.data_ptr()
     again = builder.build(0, _common_metadata([3, 0], [4, 0], [RING3[2], RING3[3]]))
-    assert _uniform(again) == ([30, 0], [[31, 0], [32, 0], [30, 0]])
+    assert _uniform(again) == ([32, 0], [[31, 0], [30, 0], [32, 0]])
     assert again.uniform_verify.src_i32.data_ptr() == buffers.verify_src_i32.data_ptr()
 
 
@@ -284,7 +285,7 @@ def test_a_fresh_row_of_a_uniform_speculative_batch_starts_from_a_zeroed_slot(sp
     builder = _builder(layers=pools, num_spec_tokens=2)
     builder.build(0, _common_metadata([3, 3], [7, 0], RING3[:2]))
     for pool in pools["l0"]:
-        assert [s for s in range(40) if bool((pool[s] == 0).all())] == [22]  # the fresh row's source column
+        assert [s for s in range(40) if bool((pool[s] == 0).all())] == [20]  # the fresh row's source column
 
 
 def test_speculative_batches_a_uniform_graph_cannot_replay_take_the_general_path(spec_graphs):
@@ -302,7 +303,7 @@ def test_without_the_switch_uniform_speculative_batches_are_planned_per_step(ful
     builder = _builder(num_spec_tokens=2)
     assert builder.graph_slots is None
     meta = builder.build(0, _common_metadata([3, 3], [7, 5], RING3[:2]))
-    assert [p.src.tolist() for p in meta.verify] == [[10, 21], [11, 22], [12, 20]]
+    assert [p.src.tolist() for p in meta.verify] == [[12, 21], [11, 20], [10, 22]]
 
 
 def test_speculative_capture_rows_leave_the_states_alone(spec_graphs):

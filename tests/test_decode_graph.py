@@ -49,6 +49,17 @@ def test_a_uniform_verification_plan_is_views_of_one_set_of_buffers_with_padding
         [5, 8, NULL_SLOT], [5, 8, NULL_SLOT], [[6, 9, NULL_SLOT], [5, 8, NULL_SLOT]], [0, 1, 2])
     again = g.write_verify(slots[1:], 2)  # a smaller batch: the stale row must not stay
     assert (again.src.tolist(), again.dst.tolist()) == ([8, NULL_SLOT], [[9, NULL_SLOT], [8, NULL_SLOT]])
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
+    assert first.last_i32 is None  # no prefix caching: the conv update runs on the source slot
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first[:4], again[:4]))
     with pytest.raises(ValueError, match="exceeds the 3 persistent state slots"):
         g.write_verify(slots, 4)
+
+
+def test_with_prefix_caching_the_plan_names_each_rows_last_slot_for_the_conv_update():
+    """With prefix caching a row's last column may differ from its source (it crossed a block), and the source may
+    be a cached block: the conv update runs on the last token's slot (spec_decode.UniformVerify)."""
+    g = DecodeGraphSlots(3, torch.device("cpu"), lambda: iter(()), ring=2, prefix_caching=True)
+    first = g.write_verify(torch.tensor([[5, 6, 7], [8, 9, 8]]), 3)
+    assert first.last_i32.dtype == torch.int32 and first.last_i32.tolist() == [7, 8, NULL_SLOT]
+    again = g.write_verify(torch.tensor([[1, 2, 3]]), 2)
+    assert again.last_i32.tolist() == [3, NULL_SLOT] and again.last_i32.data_ptr() == first.last_i32.data_ptr()

@@ -102,7 +102,7 @@ def _mixer_standin(pools):
     return layer
 
 
-def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
+def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None, spec_blocks=0):
     """What vLLM's runner hands collect_mamba_copy_meta: copy buffers (vLLM's dtypes: uint64 addresses, int32
     sizes), a KV-cache config of one Mamba group, the forward context's layers with their (conv, ssm) pools, a
     request's block ids, and vLLM's copy functions in this release's form."""
@@ -120,7 +120,8 @@ def _runner_fixture(monkeypatch, layers=3, blocks=9, ours=True, dtypes=None):
     dtypes = dtypes or [torch.bfloat16] * layers
     ctx = {n: (_mixer_standin if ours else lambda p: SimpleNamespace(kv_cache=list(p)))(_pools(dt, blocks=blocks))
            for n, dt in zip(names, dtypes)}
-    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        layer_names=names, kv_cache_spec=SimpleNamespace(num_speculative_blocks=spec_blocks))])
     funcs = (get_conv_copy_spec, get_temporal_copy_spec)
 
     def bufs():
@@ -151,6 +152,18 @@ def _count_fills(monkeypatch):
 def _same(a, b) -> bool:
     return a.offset == b.offset and all((getattr(a, k).np == getattr(b, k).np).all()
                                         for k in ("src_ptrs", "dst_ptrs", "sizes"))
+
+
+def test_under_speculation_the_plugins_groups_move_no_state(monkeypatch):
+    """With speculative blocks the layers read each state in its ring column (spec_decode.py): vLLM's move would
+    overwrite one, so the patched collector writes nothing for the plugin's groups (vLLM's own loop would)."""
+    mamba_utils, cfg, ctx, bufs, req, funcs = _runner_fixture(monkeypatch, spec_blocks=3)
+    original = mamba_utils.collect_mamba_copy_meta
+    patched = _install(monkeypatch, mamba_utils)
+    want, got = bufs(), bufs()
+    original(want, cfg, funcs, [0], 1, 2, 1, req, ctx)
+    patched(got, cfg, funcs, [0], 1, 2, 1, req, ctx)
+    assert want.offset == 3 * 2 and got.offset == 0
 
 
 def test_batched_state_moves_equal_vllms_loop(monkeypatch):

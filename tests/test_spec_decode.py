@@ -3,6 +3,7 @@ the float64 recurrence and to the same engine without drafts, with drafts reject
 
 Each engine with drafts runs in a process of its own (tests/engine_runner.py says why)."""
 
+import math
 import os
 import random
 
@@ -19,45 +20,56 @@ from vllm_mamba2_plugin.spec_decode import prefill_ring, verify_positions
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-@pytest.mark.parametrize("ring", [2, 4, 6])
-def test_every_step_reads_the_state_after_its_last_computed_token(ring):
+@pytest.mark.parametrize("ring, block_size", [(2, 0), (4, 0), (6, 0), (2, 4), (4, 8), (3, 6), (6, 12)])
+def test_every_step_reads_the_state_after_its_last_computed_token(ring, block_size):
     """Runs the builder's plans of random steps on labels: each slot holds "the state after position p". A verified
     position must find position - 1's state in its source slot; a prefill row must find its context's last state
     in its initial slot (when it resumes) and leaves a state at every one of its tokens when it is short enough to
-    carry drafts. Rejection keeps a random prefix of a short row, so the next step reads another column."""
-    rng = random.Random(ring)
-    R = 5
-    table = torch.arange(R * ring).view(R, ring) + 100  # distinct slot ids
+    carry drafts. Rejection keeps a random prefix of a short row, so the next step reads another column. With
+    prefix caching (block_size) every completed block keeps its boundary's state, and no step writes a block
+    before the one of its first read."""
+    rng = random.Random(ring * 100 + block_size)
+    R, steps = 5, 60
+    columns = steps * 3 * ring // block_size + ring + 1 if block_size else ring
+    table = torch.arange(R * columns).view(R, columns) + 100  # distinct slot ids
     label = {}  # slot -> position whose state it holds
     context = [0] * R
-    for step in range(60):
+
+    def write(r, slot, p):
+        if block_size:
+            assert int(slot) - 100 - r * columns >= max(context[r] - 1, 0) // block_size, "a block before the read"
+        label[int(slot)] = p
+
+    for step in range(steps):
         q = [rng.randint(1, ring) if rng.random() < 0.8 else rng.randint(ring + 1, 3 * ring) for _ in range(R)]
         verified = [c > 0 and k <= ring and rng.random() < 0.7 for c, k in zip(context, q)]
         rows_v = [r for r in range(R) if verified[r]]
         cu = torch.tensor([0] + [q[r] for r in rows_v]).cumsum(0)
         seen = {}
-        for pos in verify_positions(table[rows_v], cu, torch.tensor([context[r] for r in rows_v]), ring):
+        for pos in verify_positions(table[rows_v], cu, torch.tensor([context[r] for r in rows_v]), ring, block_size):
             for tok, s, d in zip(pos.tokens.tolist(), pos.src.tolist(), pos.dst.tolist()):
                 i = int(torch.searchsorted(cu, tok, right=True)) - 1
                 r, p = rows_v[i], context[rows_v[i]] + tok - int(cu[i])
                 assert label[s] == p - 1, (step, r, p, label[s])
                 assert seen.get(r, context[r] - 1) == p - 1, "positions of a row out of order"
                 seen[r] = p
-                label[d] = p  # the copy, then the update in place
+                write(r, d, p)  # the copy, then the update in place
         assert all(seen[r] == context[r] + q[r] - 1 for r in rows_v)
         rows_p = [r for r in range(R) if not verified[r]]
         ring_p = prefill_ring(table[rows_p], torch.tensor([context[r] for r in rows_p]),
-                              torch.tensor([q[r] for r in rows_p]), ring)
+                              torch.tensor([q[r] for r in rows_p]), ring, block_size)
         boundary = iter(ring_p.boundary_slots.tolist() if ring_p.boundary_slots is not None else [])
         for i, r in enumerate(rows_p):
             if context[r]:
                 assert label[int(ring_p.initial_slots[i])] == context[r] - 1
             for o in (ring_p.boundary_offsets or [[]] * len(rows_p))[i]:
-                label[next(boundary)] = context[r] + o - 1
-            label[int(ring_p.slots[i])] = context[r] + q[r] - 1
+                write(r, next(boundary), context[r] + o - 1)
+            write(r, ring_p.slots[i], context[r] + q[r] - 1)
         assert next(boundary, None) is None
         for r in range(R):  # a row that may carry drafts keeps a prefix: the row's first token and some drafts
             context[r] += rng.randint(1, q[r]) if q[r] <= ring else q[r]
+            for b in range(context[r] // block_size if block_size else 0):  # completed blocks: what a hit reads
+                assert label[int(table[r, b])] == (b + 1) * block_size - 1, (step, r, b)
 
 
 def repeating_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -127,6 +139,44 @@ def test_every_number_of_accepted_drafts_resumes_from_its_column(grid_dirs, grid
     counts = result["spec_counts"]
     drafted, accepted = counts["spec_decode_num_draft_tokens"], counts["spec_decode_num_accepted_tokens"]
     assert drafted >= 3 * 8 * 3 and 0.25 * drafted < accepted < 0.75 * drafted, counts
+
+
+@pytest.mark.parametrize("drafts, k", [("wrong", 3), ("oracle", 2)])
+def test_drafts_with_prefix_caching_hit_cached_states_and_stay_exact(drafts, k, model_dirs, oracles):
+    """Prefix caching under speculation. Blocks of lcm(8, 1 + k) tokens (g1's SSD chunk, whole rings): 8 at k = 3,
+    24 at k = 2, so verification steps cross block boundaries. Round 1: a prompt sharing a system prompt of 2.5
+    blocks with the later ones. Round 2: those (hits at the shared blocks), and round 1's prompt with its answer
+    and five more tokens (a next turn: its hit reaches blocks completed by verification steps). k drafts on every
+    step: all wrong (each step keeps one token), or the first a right, a cycling through 0 .. k."""
+    from conftest import random_prompts
+
+    new, bs = 16, math.lcm(8, 1 + k)
+    oracle = oracles["g1"]
+    system = random_prompts([5 * bs // 2], 500, seed=5)[0]
+    prompts = [system + s for s in random_prompts([3, 1, 17, 8], 500, seed=6)]
+    first = oracle_generate(oracle, prompts[0], new)[0]
+    turn = prompts[0] + first + random_prompts([5], 500, seed=7)[0]
+    rounds = [prompts[:1], prompts[1:] + [turn]]
+    run = dict(model=model_dirs["g1"], rounds=rounds, max_tokens=new, spec_counts=True,
+               llm_kwargs={**ENGINE, "enable_prefix_caching": True, "max_num_batched_tokens": 16,
+                           "speculative_config": {**NGRAM, "num_speculative_tokens": k}})
+    if drafts == "wrong":
+        run["wrong_drafts"] = 500
+    else:
+        run["oracle_drafts"] = {"answers": [oracle_generate(oracle, p, new)[0] for p in sum(rounds, [])],
+                                "vocab": 500}
+    [result] = run_engines([run])
+    for prompts_r, tokens_r in zip(rounds, result["rounds"]):
+        wrong, _ = divergences(oracle, prompts_r, tokens_r, new)
+        assert not wrong, wrong
+    hits = result["cached"][1]
+    assert all(h >= 2 * bs and h % bs == 0 and h < len(p) for h, p in zip(hits, prompts[1:])), hits
+    done = len(prompts[0]) + new - 1  # round 1 fed its prompt and all but its last token
+    assert (done - 1 - k) // bs * bs <= hits[-1] <= done // bs * bs, (hits[-1], done)
+    counts = result["spec_counts"]
+    assert counts["spec_decode_num_draft_tokens"] >= k * 5 * 4, counts
+    accepted = counts["spec_decode_num_accepted_tokens"]
+    assert accepted < counts["spec_decode_num_draft_tokens"] // 10 if drafts == "wrong" else accepted > 0, counts
 
 
 @pytest.mark.slow

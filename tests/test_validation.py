@@ -17,9 +17,11 @@ REFUSED = {
                              "--block-size 12 with prefix caching.*multiple of the model's SSD chunk size \\(8\\)"),
     "prefix_caching_mamba_block": (dict(enable_prefix_caching=True, block_size=16, mamba_block_size=8),
                                    "--mamba-block-size 8 != --block-size 16"),
-    "spec_decode_prefix_caching": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                            "prompt_lookup_max": 3}, enable_prefix_caching=True),
-                                   "speculative decoding with prefix caching.*Drop --enable-prefix-caching"),
+    "spec_decode_prefix_caching_block": (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                  "prompt_lookup_max": 3},
+                                              enable_prefix_caching=True, block_size=16),
+                                         "--block-size 16 with prefix caching.*multiple of both the model's SSD "
+                                         "chunk size \\(8\\) and 1 \\+ num_speculative_tokens \\(3\\), e.g. 24"),
     "spec_decode_draft_model": (dict(speculative_config={"method": "draft_model", "model": "{tiny}",
                                                          "num_speculative_tokens": 2}),
                                 "speculative decoding method 'draft_model'.*\"method\": \"ngram\""),
@@ -205,3 +207,33 @@ def test_config_json_mismatch_names_the_fields(tiny_dir, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(Exception, match="missing \\['backbone.layers.2"):
         make_llm(bad)
+
+
+def test_speculation_with_prefix_caching_takes_blocks_of_whole_rings(tiny_dir):
+    """k = 2 keeps rings of 3 states: the default Mamba block is lcm(chunk 8, 3) = 24 tokens (spec_decode.py); the
+    engine aligns the KV block to it at start-up (the engine test with k = 2 in tests/test_spec_decode.py hits at
+    its multiples)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, enable_prefix_caching=True,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                            "prompt_lookup_max": 3}).create_engine_config()
+    assert config.cache_config.mamba_block_size == 24
+
+
+def test_speculation_with_prefix_caching_is_refused_on_model_runner_v2(tiny_dir, monkeypatch):
+    """Model Runner V2 moves states in a fused copy of its own, which the plugin cannot skip (patches.py, 3)."""
+    import vllm.envs
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    getattr(vllm.envs.__getattr__, "cache_clear", lambda: None)()
+    try:
+        with pytest.raises(Exception, match="prefix caching on vLLM's Model Runner V2 .*not supported.*"
+                                            "VLLM_USE_V2_MODEL_RUNNER=0"):
+            EngineArgs(model=tiny_dir, dtype="float32", max_model_len=256, enable_prefix_caching=True,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                           "prompt_lookup_max": 3}).create_engine_config()
+    finally:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        getattr(vllm.envs.__getattr__, "cache_clear", lambda: None)()

