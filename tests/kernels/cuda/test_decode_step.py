@@ -84,12 +84,14 @@ def test_ssu_launch_table_keeps_upstream_for_unmeasured_shapes():
     assert decode_step.ssu_launch_config(64, 24, 64, 128, torch.float64) is None  # 8-byte state: no entry
     assert decode_step.ssu_launch_config(64, 24, 32, 128, BF16) is None  # head_dim 32: not measured
     assert decode_step.ssu_launch_config(4, 24, 64, 128, torch.float16) == (16, 2)
-    # head_dim 128 / d_state 64: measured from batch*heads 2048 (16-bit) and 8192 (fp32)
-    assert decode_step.ssu_launch_config(42, 48, 128, 128, BF16) is None
+    # head_dim 128 / d_state 128: measured from batch 1; d_state 64: from batch*heads 2048 (16-bit)
+    assert decode_step.ssu_launch_config(1, 48, 128, 128, BF16) == (16, 2)
     assert decode_step.ssu_launch_config(43, 48, 128, 128, BF16) == (16, 2)
+    assert decode_step.ssu_launch_config(42, 48, 128, 64, BF16) is None
     assert decode_step.ssu_launch_config(256, 32, 128, 64, BF16) == (16, 1)
     assert decode_step.ssu_launch_config(256, 48, 64, 64, BF16) == (16, 1)
-    assert decode_step.ssu_launch_config(128, 48, 128, 128, F32) is None
+    assert decode_step.ssu_launch_config(1, 48, 128, 128, F32) == (8, 1)
+    assert decode_step.ssu_launch_config(128, 48, 128, 128, F32) == (8, 1)
     assert decode_step.ssu_launch_config(256, 48, 128, 128, F32) == (8, 2)
 
 

@@ -87,18 +87,20 @@ def ssm_state_update(
 # reads tuned H200 files for head_dim 64 / d_state 128 only and falls back to the same tiles elsewhere.
 # The entries are measured (benchmarks/ssu_launch.py; the numbers: RESULTS.md, "State-update launch"):
 # - 16-bit states: a 16-row tile beats upstream's from the batch*heads where each entry starts, on every measured
-#   shape: two warps for d_state 128 (head_dim 64 and 128), one for d_state 64. The other shapes' entries start
-#   at their smallest measured batch*heads (2048).
+#   shape: two warps for d_state 128 (head_dim 64 and 128), one for d_state 64. Head_dim 128 / d_state 128 was
+#   measured from batch 1, where upstream's tile is already slower; the other shapes' entries start at their
+#   smallest measured batch*heads (2048).
 # - fp32 states (--mamba-ssm-cache-dtype float32): (64, 128) takes vLLM 0.26's tuned H200 tiles (its
-#   headdim=64,dstate=128,...,cache_dtype=float32.json), simplified to two; the other shapes were measured at
-#   batch 256 only, where the optimum is flat among 8- and 16-row tiles and upstream's tile is slower.
+#   headdim=64,dstate=128,...,cache_dtype=float32.json), simplified to two; (128, 128) takes an 8-row tile of one
+#   warp from batch 1 (near the best tile up to batch 64); the other shapes were measured at batch 256 only,
+#   where the optimum is flat among 8- and 16-row tiles and upstream's tile is slower.
 SSU_LAUNCH_TABLE: dict = {
     (64, 128, 2): [(64, (16, 2))],  # [(min batch*heads, (BLOCK_SIZE_M, num_warps)), ...] ascending
-    (128, 128, 2): [(2048, (16, 2))],
+    (128, 128, 2): [(1, (16, 2))],
     (128, 64, 2): [(2048, (16, 1))],
     (64, 64, 2): [(2048, (16, 1))],
     (64, 128, 4): [(64, (4, 1)), (12288, (8, 1))],
-    (128, 128, 4): [(8192, (8, 2))],
+    (128, 128, 4): [(1, (8, 1)), (8192, (8, 2))],
     (128, 64, 4): [(8192, (16, 1))],
     (64, 64, 4): [(8192, (16, 1))],
 }
