@@ -89,6 +89,21 @@ def test_the_cached_parameter_broadcasts_see_parameters_loaded_in_place():
         t["slots"].copy_(torch.tensor([0, 4, 6, 8]))
 
 
+def test_the_cached_broadcasts_go_with_their_parameter():
+    """The broadcasts are kept on A itself: a layer's parameters, once dropped, are collected with them."""
+    import gc
+    import weakref
+
+    t = _inputs(*SHAPES["n32g4"], torch.float32, torch.float32)
+    _run(cpu, t, True)
+    assert cpu._head_views(t["A"], t["D"], t["dt_bias"], t["x"].shape[-1], t["B"].shape[-1]) is \
+        t["A"]._mamba2_cpu_views[-1]  # made once, reused
+    gone = weakref.ref(t["A"])
+    del t
+    gc.collect()
+    assert gone() is None
+
+
 def test_auto_selection_picks_the_cpu_ops_and_the_switch_the_reference(monkeypatch):
     monkeypatch.delenv("VLLM_MAMBA2_PLUGIN_KERNELS", raising=False)
     assert get_kernels(torch.device("cpu")) is cpu

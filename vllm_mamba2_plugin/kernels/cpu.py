@@ -55,7 +55,6 @@ def _has_op(name: str, args: tuple) -> bool:
     return tuple(a.name for a in schema.arguments) == args
 
 
-_HEAD_VIEWS: dict = {}  # id(A) -> (A, D, dt_bias, P, N, views): each layer's broadcast parameters
 STATE_UPDATE_INDEX_DTYPE = torch.int32  # (interface.Mamba2Kernels) the ops' slot type
 
 
@@ -67,17 +66,19 @@ def _has_padding(slots: torch.Tensor) -> bool:
 def _head_views(A: torch.Tensor, D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], P: int, N: int):
     """A (H, P, N) float32, D and dt_bias (H, P): the stride-0 broadcasts the op takes, made once per layer. Views
     of the parameters, so later in-place loads show through (a float32 A: ``to`` returns A itself; another
-    dtype is converted per call)."""
-    hit = _HEAD_VIEWS.get(id(A))
-    if hit is not None and hit[0] is A and hit[1] is D and hit[2] is dt_bias and hit[3:5] == (P, N):
-        return hit[5]
+    dtype is converted per call). Kept on A itself, so they go with the layer's parameters."""
+    hit = getattr(A, "_mamba2_cpu_views", None)
+    if hit is not None and hit[0] is D and hit[1] is dt_bias and hit[2:4] == (P, N):
+        return hit[4]
 
     def per_dim(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # (H,) -> (H, P)
-        return v if v is None or v.dim() == 2 else v[:, None].expand(-1, P)
+        return v if v is None or v.dim() == 2 else v.detach()[:, None].expand(-1, P)
 
-    views = (A.to(torch.float32)[:, None, None].expand(-1, P, N), per_dim(D), per_dim(dt_bias))
+    # Views of detached aliases (same storage): a view's base would keep A's Python object alive from C++, a
+    # cycle through A's own attribute that the garbage collector cannot see.
+    views = (A.detach().to(torch.float32)[:, None, None].expand(-1, P, N), per_dim(D), per_dim(dt_bias))
     if A.dtype == torch.float32:
-        _HEAD_VIEWS[id(A)] = (A, D, dt_bias, P, N, views)
+        A._mamba2_cpu_views = (D, dt_bias, P, N, views)
     return views
 
 
