@@ -40,7 +40,7 @@ import torch
 from . import compat, envs
 from .decode_graph import DecodeGraphSlots
 from .kernels import get_kernels
-from .kernels.interface import PrefillBatch, upload
+from .kernels.interface import PrefillBatch, block_boundary_offsets, upload
 from .spec_decode import PrefillRing, UniformVerify, VerifyPosition, prefill_ring, ring_column, verify_positions
 
 
@@ -242,10 +242,9 @@ class Mamba2PluginMetadataBuilder(compat.AttentionMetadataBuilder):
         bs, offsets, rows, cols = self.block_size, [], [], []
         for r in range(num_decodes, int(seq_lens_cpu.numel())):
             c, e = int(context_lens[r]), int(seq_lens_cpu[r])
-            blocks = range(c // bs, -(-e // bs) - 1)
-            offsets.append([(b + 1) * bs - c for b in blocks])
-            rows += [r] * len(blocks)
-            cols += list(blocks)
+            offsets.append(list(block_boundary_offsets(c, e - c, bs)))
+            rows += [r] * len(offsets[-1])
+            cols += [(c + o) // bs - 1 for o in offsets[-1]]
         if not rows:
             return offsets, None
         table = common_attn_metadata.block_table_tensor

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels.interface import upload
+from .kernels.interface import block_boundary_offsets, upload
 
 
 def ring_column(positions: torch.Tensor, ring: int, block_size: int = 0) -> torch.Tensor:
@@ -130,8 +130,8 @@ def prefill_ring(table: torch.Tensor, context_lens: torch.Tensor, query_lens: to
     offsets = []
     for c, q in zip(context, queries):
         kept = set(range(1, q)) if q <= ring else set()
-        if block_size:  # boundaries inside the row: after (b + 1) * block_size tokens, b = c // bs ..
-            kept.update(range(c // block_size * block_size + block_size - c, q, block_size))
+        if block_size:
+            kept.update(block_boundary_offsets(c, q, block_size))
         offsets.append(sorted(kept))
     rows = list(range(S)) * 2 + [r for r in range(S) for _ in offsets[r]]
     positions = ([c + q - 1 for c, q in zip(context, queries)] + [c - 1 for c in context]

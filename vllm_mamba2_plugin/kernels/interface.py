@@ -118,6 +118,13 @@ class ConvResult(NamedTuple):
     final_states: torch.Tensor  # (S, W-1, D) in x's dtype
 
 
+def block_boundary_offsets(context: int, query: int, block_size: int) -> range:
+    """Prefix caching: the token counts o (0 < o < query) after which a row of ``query`` tokens on top of
+    ``context`` crosses a block boundary before its last token, (b + 1) * block_size - context for the blocks
+    b = context // block_size, ... (the state after o tokens belongs to block (context + o) // block_size - 1)."""
+    return range(context // block_size * block_size + block_size - context, query, block_size)
+
+
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``, pinned and non-blocking on CUDA: a copy from pageable memory would make the
     host wait for the GPU work already queued (the previous step's)."""
