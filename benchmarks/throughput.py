@@ -4,7 +4,7 @@
     python benchmarks/throughput.py --models 2.7b,7b --modes graph --out $OUT --md benchmarks/RESULTS.md
     python benchmarks/throughput.py --models 2.7b --modes eager --interleave --out $OUT   # host-bound cells
     MAMBA_DETERMINISTIC=1 python benchmarks/throughput.py --models grid --modes graph --workloads decode \
-        --batches 256 --out $OUT
+        --batches 1,256 --ssm-dtype auto,float32 --pack --out $OUT
 
 One worker process per (model, implementation, mode) -- vLLM loads plugins once per process, so the plugin
 (default environment) and in-tree (VLLM_PLUGINS="") need separate processes -- and every workload runs through
@@ -13,6 +13,11 @@ alive (started one after the other, each with an equal share of the GPU memory) 
 in turn, alternating which goes first: host-bound cells (eager mode, mixed prefill steps) then compare runs a few
 seconds apart instead of minutes apart. On the H200 the host's speed drifts by up to 2x between and within calls
 (the same eager 2.7b batch-1 cell of the plugin: 47.5 ms per step in one call, 27.4 ms in the next).
+--pack (GPU): every engine gets fixed state pools (the largest batch plus a few slots, ``kv_cache_memory_bytes``)
+instead of a share of the memory it sees free, so engines can start at once; as many start together as their
+weights, pools and a fixed overhead fit in the free GPU memory (``pack_groups``), and their cells then run one
+engine at a time, interleaved as with --interleave. Start-up (compiles, mostly on the host) overlaps; the timed runs
+do not. For the decode grid, whose per-shape start-ups (~2-3 min) dwarf its timed runs (~15 s per engine).
 Weights are vLLM's dummy random init (load_format="dummy"); prompts are random token ids.
 Implementations: ``plugin`` (defaults: in graph mode, FULL CUDA graphs for decode-only steps),
 ``plugin-piecewise`` (VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS=0: piecewise graphs only; graph mode only),
@@ -268,6 +273,11 @@ def worker(args) -> None:
     if torch.cuda.is_available():
         # --interleave: every implementation's engine is alive at once, so they share the GPU's memory.
         kwargs["gpu_memory_utilization"] = 0.85 / job.get("engines", 1)
+    if job.get("kv_cache_memory_bytes"):
+        # --pack: the engines of a group start at once, so none may size its pools from the memory it sees free
+        # (a neighbour's start-up would count). With fixed pools vLLM skips that profiling; the utilisation is
+        # then only its start-up check that this much memory is free.
+        kwargs.update(kv_cache_memory_bytes=job["kv_cache_memory_bytes"], gpu_memory_utilization=0.05)
     if job["mode"] == "graph":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(DECODE["batches"]))}
     if job.get("jit_verbose"):
@@ -279,7 +289,7 @@ def worker(args) -> None:
         # the model. Nothing is recorded until start_profile().
         kwargs["profiler_config"] = dict(profiler="torch", torch_profiler_dir=job["profile_dir"],
                                          torch_profiler_with_stack=False, ignore_frontend=True)
-    gc_dir = os.path.join(job["out"], f"gc-{job['model']}-{job['impl']}-{job['mode']}")
+    gc_dir = os.path.join(job["out"], f"gc-{job['tag']}")
     StepTimeline.install_gc_probe(gc_dir)  # before LLM(): the forked engine core inherits it
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -373,7 +383,7 @@ def worker(args) -> None:
         for cell in engine_cells(DECODE["batches"], workloads, PREFILL["repeats"]):
             handlers[cell["workload"]](cell)
     # Raw timeline of every run (engine stamp, arrival, requests per step), for a closer look afterwards.
-    with open(os.path.join(job["out"], f"timeline-{job['model']}-{job['impl']}-{job['mode']}.json"), "w") as f:
+    with open(os.path.join(job["out"], f"timeline-{job['tag']}.json"), "w") as f:
         json.dump(dict(runs=runs, steps=timeline.steps), f)
     if job.get("profile_dir"):
         t = time.perf_counter()
@@ -414,7 +424,8 @@ def device_name() -> str:
 
 
 def markdown(rows, bw, cmd) -> str:
-    by = {(r["model"], r["mode"], r["workload"], r["batch"], r["impl"]): r for r in rows}
+    by = {(r["model"], r["mode"], r["workload"], r["batch"], r.get("ssm_cache_dtype", "auto"), r["impl"]): r
+          for r in rows}
     lines = [f"### {datetime.date.today().isoformat()} — {device_name()}, bf16 weights, measured copy bandwidth "
              f"{bw / 1e12:.2f} TB/s", "", f"`{cmd}`", "",
              "| model | mode | workload | batch | ssm state | plugin variant | plugin out tok/s | in-tree out tok/s | "
@@ -443,7 +454,7 @@ def markdown(rows, bw, cmd) -> str:
             return "—"
         return f"{t['engine_step_ms'] / p['engine_step_ms']:.2f}"
 
-    for key in sorted({k[:4] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2], k[3])):
+    for key in sorted({k[:5] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[4], k[1], k[2], k[3])):
         t = by.get(key + ("intree",))
         variants = [v for v in PLUGIN_IMPLS if key + (v,) in by] or [None]
         for v in variants:
@@ -492,9 +503,9 @@ def paired_prefill_ratio(plugin_runs, intree_runs):
 class Worker:
     """One worker process (one engine): its log file, and the RESULT / READY / DONE lines of its stdout."""
 
-    def __init__(self, model, impl, mode, job, env, out):
-        self.name = f"{model}/{impl}/{mode}"
-        self.log = open(os.path.join(out, f"worker-{model}-{impl}-{mode}.log"), "w")
+    def __init__(self, job, env):
+        self.job, self.name = job, job["tag"]
+        self.log = open(os.path.join(job["out"], f"worker-{job['tag']}.log"), "w")
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(job)], env=env,
                                      stdin=subprocess.PIPE if job.get("interleave") else None,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -532,12 +543,73 @@ class Worker:
             print(f"worker {self.name} exited {self.proc.returncode}", flush=True)
 
 
+ENV_OF_IMPL = {"intree": {"VLLM_PLUGINS": ""},  # no plugin at all: vLLM's own Mamba2ForCausalLM
+               "plugin-full": {"VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS": "1"},
+               "plugin-piecewise": {"VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS": "0"},
+               "plugin-jit-launch": {"VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH": "0"}}
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+PACK_SLOTS = 8  # state slots beyond the largest batch (vLLM's null block, and headroom)
+PACK_OVERHEAD = 3 * 1024**3  # per engine beyond weights and pools: CUDA context, activations, graphs
+PACK_FILL = 0.92  # share of the free GPU memory a group may plan to use
+
+
+def engine_memory(job) -> int:
+    """--pack: the bytes one engine is planned to hold: weights, its fixed state pools, overhead."""
+    weights, _ = bytes_per_step(job["model"], 1, (2, DTYPE_BYTES[job["ssm_dtype"]]))
+    return weights + job["kv_cache_memory_bytes"] + PACK_OVERHEAD
+
+
+def pack_groups(jobs: list, capacity: int) -> list:
+    """--pack: the engines in groups that start together, first fit by planned memory, largest first (fewest
+    groups, fewest start-ups); the engines of one (model, state dtype, mode) stay in one group where they fit
+    together, so their cells interleave."""
+    units, groups = {}, []
+    for job in jobs:
+        units.setdefault((job["model"], job["ssm_dtype"], job["mode"]), []).append(job)
+    for unit in sorted(units.values(), key=lambda u: -sum(map(engine_memory, u))):
+        # a unit too large for one group runs one engine per group
+        for part in ([unit] if sum(map(engine_memory, unit)) <= capacity else [[j] for j in unit]):
+            need = sum(map(engine_memory, part))
+            for g in groups:
+                if g["bytes"] + need <= capacity:
+                    g["jobs"] += part
+                    g["bytes"] += need
+                    break
+            else:
+                groups.append(dict(jobs=list(part), bytes=need))
+    return [g["jobs"] for g in groups]
+
+
+def run_cells(workers: list, cells: list, record) -> None:
+    """Each cell on every worker in turn (--interleave, --pack), alternating which goes first, so neither is
+    always the one after a long idle."""
+    for i, cell in enumerate(cells if workers else []):
+        for w in list(workers if i % 2 == 0 else workers[::-1]):
+            w.send(cell)
+            if not w.read(record, until="DONE"):
+                workers.remove(w)  # it ended (crashed): the others go on
+
+
+def add_paired_prefill(rows: list, unit: tuple) -> None:
+    mine = {r["impl"]: r for r in rows if (r["model"], r["ssm_cache_dtype"], r["mode"]) == unit
+            and r["workload"] == "prefill"}
+    for impl in PLUGIN_IMPLS:
+        if impl in mine and "intree" in mine:
+            g, ratios = paired_prefill_ratio(mine[impl]["runs_s"], mine["intree"]["runs_s"])
+            mine[impl].update(paired_ratio=g, pairs=len(ratios), pair_ratios=[round(x, 3) for x in ratios])
+            print(f"{'/'.join(unit)}/{impl} prefill, paired runs: in-tree / plugin geometric mean {g:.3f} "
+                  f"({len(ratios)} pairs)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="130m", help=f"comma-separated names of MODELS, or grid ({', '.join(GRID)})")
+    ap.add_argument("--models", default="130m",
+                    help=f"comma-separated names of MODELS, or grid ({', '.join(GRID)}); name:dtype gives that "
+                         "model only this --ssm-dtype")
     ap.add_argument("--impls", default="plugin,intree", help="plugin, plugin-piecewise, plugin-jit-launch, intree")
     ap.add_argument("--modes", default="graph,eager")
-    ap.add_argument("--ssm-dtype", default="auto", help="--mamba-ssm-cache-dtype for both implementations")
+    ap.add_argument("--ssm-dtype", default="auto",
+                    help="--mamba-ssm-cache-dtype for both implementations; comma-separated: an engine per dtype")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="mamba2-bench-"))
     ap.add_argument("--md", default=None, help="append the markdown table here")
@@ -551,6 +623,9 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true",
                     help="keep every implementation's engine alive and run each cell on all of them in turn "
                          "(host-bound cells, e.g. eager mode: the host's speed drifts over minutes)")
+    ap.add_argument("--pack", action="store_true",
+                    help="start as many engines at once as their fixed state pools fit in the GPU's memory, then "
+                         "time one engine at a time (interleaved as --interleave): start-ups overlap")
     ap.add_argument("--prefill-repeats", type=int, default=None,
                     help=f"timed runs of the prefill cell (default {PREFILL['repeats']}); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
@@ -563,6 +638,13 @@ def main() -> None:
     unknown = set(workloads) - {"decode", "prefill"}
     if unknown:
         raise SystemExit(f"unknown workload(s) {sorted(unknown)}: use decode, prefill or both")
+    for impl in impls:
+        if impl not in PLUGIN_IMPLS + ("intree",):
+            raise SystemExit(f"unknown implementation {impl!r}: "
+                             "use plugin, plugin-piecewise, plugin-jit-launch or intree")
+    dtypes = args.ssm_dtype.split(",")
+    if set(dtypes + [m.partition(":")[2] for m in args.models.split(",") if ":" in m]) - set(DTYPE_BYTES):
+        raise SystemExit(f"unknown state dtype in {args.ssm_dtype!r} / {args.models!r}: use {', '.join(DTYPE_BYTES)}")
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     jsonl = os.path.join(args.out, "bench.jsonl")
@@ -572,17 +654,15 @@ def main() -> None:
     batches = ([int(b) for b in args.batches.split(",")] if args.batches else
                (SMOKE_DECODE if args.smoke else DECODE)["batches"])
     profile_batch = [int(b) for b in args.profile_batch.split(",")] if args.profile_batch else None
-    for impl in impls:
-        if impl not in PLUGIN_IMPLS + ("intree",):
-            raise SystemExit(f"unknown implementation {impl!r}: "
-                             "use plugin, plugin-piecewise, plugin-jit-launch or intree")
+    cells = engine_cells(batches, workloads,
+                         args.prefill_repeats or (SMOKE_PREFILL if args.smoke else PREFILL)["repeats"])
 
-    def record(model, line):
+    def record(line):
         r = json.loads(line[len("RESULT "):])
         if r["workload"] == "decode":
             dt = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
             sd = r["state_dtypes"] or ["torch.bfloat16", "torch.bfloat16"]
-            w, s_ = bytes_per_step(model, r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
+            w, s_ = bytes_per_step(r["model"], r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
             r["floor_step_s"] = (w + 2 * r["batch"] * s_) / bw
             r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
             r["bytes_per_step"] = w + 2 * r["batch"] * s_
@@ -593,59 +673,70 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
 
-    models = GRID if args.models == "grid" else args.models.split(",")
-    for model in models:
+    units = []  # [(model, dtype, mode), [jobs]]: the engines whose cells compare
+    for spec in GRID if args.models == "grid" else args.models.split(","):
+        model, _, only = spec.partition(":")
         model_dir = write_config(model, args.out)
-        for mode in args.modes.split(","):
-            # graph-mode variants of the plugin only in graph mode
-            mode_impls = [i for i in impls if not (i in ("plugin-full", "plugin-piecewise") and mode != "graph")]
+        for dtype in [only] if only else dtypes:
+            for mode in args.modes.split(","):
+                # graph-mode variants of the plugin only in graph mode
+                mode_impls = [i for i in impls if not (i in ("plugin-full", "plugin-piecewise") and mode != "graph")]
+                jobs = []
+                for impl in mode_impls:
+                    tag = f"{model}-{impl}-{mode}" + (f"-{dtype}" if dtype != "auto" else "")
+                    _, state = bytes_per_step(model, 1, (2, DTYPE_BYTES[dtype]))
+                    jobs.append(dict(
+                        model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=dtype, tag=tag,
+                        out=os.path.abspath(args.out), max_num_batched_tokens=args.max_num_batched_tokens,
+                        smoke=args.smoke, batches=batches if args.batches else None, workloads=workloads,
+                        profile_batch=profile_batch, prefill_repeats=args.prefill_repeats,
+                        jit_verbose=args.jit_verbose, interleave=args.interleave or args.pack,
+                        engines=len(mode_impls) if args.interleave else 1,
+                        kv_cache_memory_bytes=(max(batches) + PACK_SLOTS) * state if args.pack else None,
+                        profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{tag}")) if args.profile else None))
+                units.append(((model, dtype, mode), jobs))
+
+    def env_of(job):
+        return dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+                    **ENV_OF_IMPL.get(job["impl"], {}))
+
+    if args.pack:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--pack sizes engines by the GPU's free memory: run it on a GPU")
+        capacity = int(PACK_FILL * torch.cuda.mem_get_info()[0])
+        for group in pack_groups([j for _, jobs in units for j in jobs], capacity):
+            print(f"group: {', '.join(j['tag'] for j in group)} "
+                  f"({sum(map(engine_memory, group)) / 1024**3:.1f} of {capacity / 1024**3:.1f} GiB)", flush=True)
+            started = [Worker(j, env_of(j)) for j in group]  # all at once: their start-ups overlap
+            workers = [w for w in started if w.read(lambda line: None, until="READY")]
+            for unit, _ in units:
+                run_cells([w for w in workers if (w.job["model"], w.job["ssm_dtype"], w.job["mode"]) == unit],
+                          cells, record)
+            for w in workers:
+                w.send(None)
+                w.finish()
+            for unit in {(j["model"], j["ssm_dtype"], j["mode"]) for j in group}:
+                if "prefill" in workloads:
+                    add_paired_prefill(rows, unit)
+    else:
+        for unit, jobs in units:
             workers = []
-            for impl in mode_impls:
-                env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
-                if impl == "intree":
-                    env["VLLM_PLUGINS"] = ""  # no plugin at all: vLLM's own Mamba2ForCausalLM
-                elif impl == "plugin-full":
-                    env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "1"
-                elif impl == "plugin-piecewise":
-                    env["VLLM_MAMBA2_PLUGIN_FULL_DECODE_GRAPHS"] = "0"
-                elif impl == "plugin-jit-launch":
-                    env["VLLM_MAMBA2_PLUGIN_DIRECT_LAUNCH"] = "0"
-                job = dict(model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=args.ssm_dtype,
-                           out=os.path.abspath(args.out),
-                           max_num_batched_tokens=args.max_num_batched_tokens, smoke=args.smoke,
-                           batches=batches if args.batches else None, workloads=workloads,
-                           profile_batch=profile_batch, prefill_repeats=args.prefill_repeats,
-                           jit_verbose=args.jit_verbose, interleave=args.interleave,
-                           engines=len(mode_impls) if args.interleave else 1,
-                           profile_dir=os.path.abspath(os.path.join(args.out, f"profile-{model}-{impl}-{mode}"))
-                           if args.profile else None)
-                w = Worker(model, impl, mode, job, env, args.out)
+            for job in jobs:
+                w = Worker(job, env_of(job))
                 if not args.interleave:
-                    w.read(lambda line: record(model, line))  # all its cells, to its end
+                    w.read(record)  # all its cells, to its end
                 # Started one after the other (each engine sizes its state pools from the memory it sees free),
                 # then kept alive together.
                 elif w.read(lambda line: None, until="READY"):
                     workers.append(w)
-            cells = engine_cells(batches, workloads,
-                                 args.prefill_repeats or (SMOKE_PREFILL if args.smoke else PREFILL)["repeats"])
-            for i, cell in enumerate(cells if workers else []):
-                # Alternate which implementation goes first, so neither is always the one after a long idle.
-                for w in list(workers if i % 2 == 0 else workers[::-1]):
-                    w.send(cell)
-                    if not w.read(lambda line: record(model, line), until="DONE"):
-                        workers.remove(w)  # it ended (crashed): the others go on
+            run_cells(workers, cells, record)
             for w in workers:
                 w.send(None)
                 w.finish()
             if workers and "prefill" in workloads:
-                mine = {r["impl"]: r for r in rows
-                        if r["model"] == model and r["mode"] == mode and r["workload"] == "prefill"}
-                for impl in PLUGIN_IMPLS:
-                    if impl in mine and "intree" in mine:
-                        g, ratios = paired_prefill_ratio(mine[impl]["runs_s"], mine["intree"]["runs_s"])
-                        mine[impl].update(paired_ratio=g, pairs=len(ratios), pair_ratios=[round(x, 3) for x in ratios])
-                        print(f"{model}/{impl}/{mode} prefill, paired runs: in-tree / plugin geometric mean {g:.3f} "
-                              f"({len(ratios)} pairs)", flush=True)
+                add_paired_prefill(rows, unit)
     table = markdown(rows, bw, cmd)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)

@@ -52,3 +52,28 @@ def test_markdown_row_carries_both_steps_and_the_engine_step_ratio():
     t = dict(base, impl="intree", engine_step_ms=12.0, floor_share_engine=2 / 3)
     row = throughput.markdown([p, t], 4.2e12, "cmd").splitlines()[-1]
     assert row.endswith("| 10.00 ms (80%) | 12.00 ms (67%) | 1.20 |"), row
+
+
+def _job(model, dtype="auto", impl="plugin", batch=256):
+    _, state = throughput.bytes_per_step(model, 1, (2, throughput.DTYPE_BYTES[dtype]))
+    return dict(model=model, ssm_dtype=dtype, mode="graph", impl=impl, tag=f"{model}-{impl}-{dtype}",
+                kv_cache_memory_bytes=(batch + throughput.PACK_SLOTS) * state)
+
+
+def test_pack_keeps_pairs_together_splits_what_cannot_fit_and_never_exceeds_the_capacity():
+    GiB = 1024**3
+    jobs = [_job(m, d, i) for m, d in [("130m", "auto"), ("7b", "auto"), ("2048-48-p128-g8-n64", "float32"),
+                                       ("2.7b", "float32")] for i in ("plugin", "intree")]
+    capacity = 72 * GiB
+    groups = throughput.pack_groups(jobs, capacity)
+    assert sorted(j["tag"] for g in groups for j in g) == sorted(j["tag"] for j in jobs)
+    for g in groups:
+        assert sum(map(throughput.engine_memory, g)) <= capacity
+    where = {j["tag"]: k for k, g in enumerate(groups) for j in g}
+    # a pair that fits in one group starts in one group (its cells interleave)
+    assert where["130m-plugin-auto"] == where["130m-intree-auto"]
+    assert where["2048-48-p128-g8-n64-plugin-float32"] == where["2048-48-p128-g8-n64-intree-float32"]
+    # a 7b pair at batch 256 (~50 GiB an engine) does not fit together: one engine per group
+    assert throughput.engine_memory(_job("7b")) > 45 * GiB
+    assert where["7b-plugin-auto"] != where["7b-intree-auto"]
+    assert len(groups) < len(jobs)
