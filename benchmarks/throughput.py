@@ -473,6 +473,25 @@ def markdown(rows, bw, cmd) -> str:
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
+def grid_table(rows) -> str:
+    """The decode grid's table (``--grid-table``): per model, state dtype and batch, both implementations' output
+    tok/s and engine median steps, and each one's share of the HBM floor by its engine median."""
+    by = {(r["model"], r.get("ssm_cache_dtype", "auto"), r["batch"], r["impl"]): r
+          for r in rows if r["workload"] == "decode"}
+    lines = ["| model | ssm state | batch | out tok/s, plugin / in-tree (ratio) | step, engine median: plugin / "
+             "in-tree (ratio) | floor | HBM-floor share, plugin / in-tree |", "|---|---|---|---|---|---|---|"]
+    for key in sorted({k[:3] for k in by}, key=lambda k: (list(MODELS).index(k[0]), k[1], k[2])):
+        p, t = by.get(key + ("plugin",)), by.get(key + ("intree",))
+        if not (p and t):
+            continue
+        pm, tm = p["timeline"]["median_ms"], t["timeline"]["median_ms"]
+        floor = 1e3 * p["floor_step_s"]
+        lines.append(f"| {key[0]} | {'fp32' if key[1] == 'float32' else 'bf16'} | {key[2]} | "
+                     f"{p['out_tok_s']:,.0f} / {t['out_tok_s']:,.0f} ({p['out_tok_s'] / t['out_tok_s']:.2f}) | "
+                     f"{pm:.2f} / {tm:.2f} ms ({tm / pm:.2f}) | {floor:.2f} ms | {floor / pm:.0%} / {floor / tm:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def engine_step_stats(r: dict, floor_step_s: float) -> dict:
     """The decode step by the engine's own clock: the mean period of the full-batch steps of the long run, its
     share of the HBM floor, and how much longer the long run's steps outside the full batch (the mixed prefill
@@ -629,10 +648,14 @@ def main() -> None:
     ap.add_argument("--prefill-repeats", type=int, default=None,
                     help=f"timed runs of the prefill cell (default {PREFILL['repeats']}); the median is reported")
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, to check the harness on a CPU")
+    ap.add_argument("--grid-table", nargs="+", metavar="JSONL",
+                    help="print the decode grid's table from these bench.jsonl files, and run nothing")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.grid_table:
+        return print(grid_table([json.loads(line) for f in args.grid_table for line in open(f) if line.strip()]))
 
     impls, workloads = args.impls.split(","), args.workloads.split(",")
     unknown = set(workloads) - {"decode", "prefill"}
