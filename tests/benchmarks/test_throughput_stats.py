@@ -77,3 +77,14 @@ def test_pack_keeps_pairs_together_splits_what_cannot_fit_and_never_exceeds_the_
     assert throughput.engine_memory(_job("7b")) > 45 * GiB
     assert where["7b-plugin-auto"] != where["7b-intree-auto"]
     assert len(groups) < len(jobs)
+
+
+def test_grid_table_pairs_the_implementations_and_takes_the_floor_share_of_engine_medians():
+    def row(impl, median_ms, dtype="auto"):
+        return dict(model="130m", ssm_cache_dtype=dtype, batch=256, impl=impl, workload="decode",
+                    out_tok_s=1000.0 * 10 / median_ms, floor_step_s=0.004, timeline=dict(median_ms=median_ms))
+
+    rows = [row("plugin", 5.0), row("intree", 8.0), row("plugin", 6.0, "float32")]  # fp32: no in-tree row
+    lines = throughput.grid_table(rows).strip().splitlines()
+    assert len(lines) == 3  # header, separator, the one complete pair
+    assert lines[2] == "| 130m | bf16 | 256 | 2,000 / 1,250 (1.60) | 5.00 / 8.00 ms (1.60) | 4.00 ms | 80% / 50% |"
