@@ -572,6 +572,11 @@ PACK_OVERHEAD = 3 * 1024**3  # per engine beyond weights and pools: CUDA context
 PACK_FILL = 0.92  # share of the free GPU memory a group may plan to use
 
 
+def unit_of(job) -> tuple:
+    """The engines whose cells compare: one (model, state dtype, mode), one engine per implementation."""
+    return job["model"], job["ssm_dtype"], job["mode"]
+
+
 def engine_memory(job) -> int:
     """--pack: the bytes one engine is planned to hold: weights, its fixed state pools, overhead."""
     weights, _ = bytes_per_step(job["model"], 1, (2, DTYPE_BYTES[job["ssm_dtype"]]))
@@ -584,7 +589,7 @@ def pack_groups(jobs: list, capacity: int) -> list:
     together, so their cells interleave."""
     units, groups = {}, []
     for job in jobs:
-        units.setdefault((job["model"], job["ssm_dtype"], job["mode"]), []).append(job)
+        units.setdefault(unit_of(job), []).append(job)
     for unit in sorted(units.values(), key=lambda u: -sum(map(engine_memory, u))):
         # a unit too large for one group runs one engine per group
         for part in ([unit] if sum(map(engine_memory, unit)) <= capacity else [[j] for j in unit]):
@@ -683,9 +688,8 @@ def main() -> None:
     def record(line):
         r = json.loads(line[len("RESULT "):])
         if r["workload"] == "decode":
-            dt = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
-            sd = r["state_dtypes"] or ["torch.bfloat16", "torch.bfloat16"]
-            w, s_ = bytes_per_step(r["model"], r["batch"], (dt.get(sd[0], 2), dt.get(sd[-1], 2)))
+            sd = [DTYPE_BYTES.get(t.removeprefix("torch."), 2) for t in r["state_dtypes"] or ["auto"]]
+            w, s_ = bytes_per_step(r["model"], r["batch"], (sd[0], sd[-1]))
             r["floor_step_s"] = (w + 2 * r["batch"] * s_) / bw
             r["floor_share"] = r["floor_step_s"] / r["decode_step_s"]
             r["bytes_per_step"] = w + 2 * r["batch"] * s_
@@ -705,9 +709,9 @@ def main() -> None:
                 # graph-mode variants of the plugin only in graph mode
                 mode_impls = [i for i in impls if not (i in ("plugin-full", "plugin-piecewise") and mode != "graph")]
                 jobs = []
+                _, state = bytes_per_step(model, 1, (2, DTYPE_BYTES[dtype]))
                 for impl in mode_impls:
                     tag = f"{model}-{impl}-{mode}" + (f"-{dtype}" if dtype != "auto" else "")
-                    _, state = bytes_per_step(model, 1, (2, DTYPE_BYTES[dtype]))
                     jobs.append(dict(
                         model=model, model_dir=model_dir, impl=impl, mode=mode, ssm_dtype=dtype, tag=tag,
                         out=os.path.abspath(args.out), max_num_batched_tokens=args.max_num_batched_tokens,
@@ -735,13 +739,12 @@ def main() -> None:
             started = [Worker(j, env_of(j)) for j in group]  # all at once: their start-ups overlap
             workers = [w for w in started if w.read(lambda line: None, until="READY")]
             for unit, _ in units:
-                run_cells([w for w in workers if (w.job["model"], w.job["ssm_dtype"], w.job["mode"]) == unit],
-                          cells, record)
+                run_cells([w for w in workers if unit_of(w.job) == unit], cells, record)
             for w in workers:
                 w.send(None)
                 w.finish()
-            for unit in {(j["model"], j["ssm_dtype"], j["mode"]) for j in group}:
-                if "prefill" in workloads:
+            if "prefill" in workloads:
+                for unit in {unit_of(j) for j in group}:
                     add_paired_prefill(rows, unit)
     else:
         for unit, jobs in units:
