@@ -22,6 +22,12 @@ kernel family (``FAMILIES``): the bytes a step of that batch must move through i
 ``--state-bytes 2,2`` gives the conv and SSM state element sizes (bf16; ``2,4`` for fp32 SSM states).
 
     python benchmarks/trace_steps.py out/profile-3072-48-p128-g4-n128-plugin-graph --model 3072-48-p128-g4-n128
+
+With ``--op NAME`` (e.g. ``vllm::mamba2_plugin_mixer``, in-tree's ``vllm::mamba_mixer2``) each class also gets
+that op's host cost: its calls per step, and per call the median duration, direct child ops and kernel launches
+(an eager or piecewise step's mixer; a FULL-graph replay calls none).
+
+    python benchmarks/trace_steps.py out/profile-2048-48-p128-g8-n64-plugin-graph --op vllm::mamba2_plugin_mixer
 """
 
 import argparse
@@ -32,6 +38,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 # Kernel families of a decode step, by kernel name: mamba-ssm's state update (plugin and in-tree's copy), the conv
@@ -81,6 +88,36 @@ def self_times(ops: list) -> dict:
     return out
 
 
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def op_calls(ops: list, name: str) -> list:
+    """Each call of the op ``name`` among one thread's X events: (µs, direct children, of them kernel launches)."""
+    ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+    out = []
+    for i, call in enumerate(ops):
+        if call["name"] != name:
+            continue
+        end, child_end, children, launches = call["ts"] + call["dur"], call["ts"], 0, 0
+        for e in ops[i + 1:]:
+            if e["ts"] >= end:
+                break
+            if e["ts"] >= child_end:  # not inside the previous direct child
+                children += 1
+                launches += e["name"] in LAUNCHES
+                child_end = e["ts"] + e["dur"]
+        out.append((call["dur"], children, launches))
+    return out
+
+
+def op_line(calls: list, n_steps: int, name: str) -> str:
+    if not calls:
+        return f"   {name}: not called"
+    med = [statistics.median(c[k] for c in calls) for k in range(3)]
+    return (f"   {name}: {len(calls) / n_steps:.1f} calls per step; per call (median) {med[0]:.0f} µs, "
+            f"{med[1]:.0f} host ops, {med[2]:.0f} launches")
+
+
 def family_of(kernel: str) -> str:
     return next((name for name, rx in FAMILIES if rx.search(kernel)), "other")
 
@@ -100,8 +137,9 @@ def bandwidth_lines(kernel_us: dict, n_steps: int, step_bytes: dict) -> list:
     return lines
 
 
-def analyse(events: list, top: int, step_bytes=None) -> str:
-    """step_bytes: None, or a function of the decode batch giving {family: bytes per step}."""
+def analyse(events: list, top: int, step_bytes=None, op=None) -> str:
+    """step_bytes: None, or a function of the decode batch giving {family: bytes per step}; op: None, or an op
+    name whose calls get a host-cost line per class."""
     steps = []
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "user_annotation":
@@ -180,6 +218,8 @@ def analyse(events: list, top: int, step_bytes=None) -> str:
         lines.append(f"   top CPU ops by self time (µs per step):")
         for name, t in st.most_common(top):
             lines.append(f"     {t / n:9.1f}  {short(name)}")
+        if op:
+            lines.append(op_line([c for i in idx for c in op_calls(per_step_ops[i], op)], n, op))
     return "\n".join(lines)
 
 
@@ -189,6 +229,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--model", default=None, help="a shape of benchmarks/throughput.py: decode bandwidth by family")
     ap.add_argument("--state-bytes", default="2,2", help="conv, SSM state element sizes in bytes")
+    ap.add_argument("--op", default=None, help="an op name: its calls per step, duration, child ops and launches")
     args = ap.parse_args()
     step_bytes = None
     if args.model:
@@ -198,7 +239,7 @@ def main() -> None:
         step_bytes = lambda batch: decode_bytes_by_kernel(args.model, batch, sizes)  # noqa: E731
     for t in args.traces:
         print(f"##### {t}")
-        print(analyse(load(t), args.top, step_bytes))
+        print(analyse(load(t), args.top, step_bytes, args.op))
 
 
 if __name__ == "__main__":

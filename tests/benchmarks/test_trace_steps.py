@@ -49,3 +49,24 @@ def test_verification_steps_are_a_class_of_their_own_without_bandwidth_lines():
                               lambda b: throughput.decode_bytes_by_kernel("2.7b", b, (2, 2)))
     assert out.splitlines()[0].startswith("== decode b16 t64: 1 steps, 64 tokens/step")
     assert "GB/s" not in out
+
+
+def test_an_ops_host_cost_counts_its_direct_children_and_launches():
+    """--op: a mixed step calling the op twice; nested ops count once (as their parent), launches by name."""
+    step = dict(ph="X", cat="user_annotation", name="execute_context_2(600)_generation_8(8)", ts=0.0, dur=1000.0,
+                tid=1)
+
+    def op(name, ts, dur, cat="cpu_op"):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=1)
+
+    events = [step,
+              op("vllm::mixer", 10, 100), op("aten::empty", 12, 5), op("aten::index_select", 20, 30),
+              op("aten::empty", 22, 5),  # inside index_select: not a direct child
+              op("cuLaunchKernelEx", 60, 5, "cuda_driver"), op("cudaLaunchKernel", 70, 5, "cuda_runtime"),
+              op("vllm::mixer", 200, 300), op("aten::view", 210, 5), op("aten::view", 220, 5),
+              op("aten::view", 600, 5)]  # after the op: not its child
+    calls = trace_steps.op_calls(events[1:], "vllm::mixer")
+    assert calls == [(100, 4, 2), (300, 2, 0)]
+    out = trace_steps.analyse(events, 5, op="vllm::mixer")
+    assert "vllm::mixer: 2.0 calls per step; per call (median) 200 µs, 3 host ops, 1 launches" in out
+    assert "not called" in trace_steps.analyse(events, 5, op="vllm::other")
