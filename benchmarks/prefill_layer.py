@@ -10,6 +10,8 @@
     python benchmarks/prefill_layer.py --model 2.7b --layouts "$(python benchmarks/schedule_steps.py --layouts 8 \
         --workload mixed --caching on --quiet | tail -1)" --block 256 --state-dtype bfloat16,float32
                                                           # steps of a workload (benchmarks/prefill_steps.sh)
+    python benchmarks/prefill_layer.py --model 2048-48-p128-g8-n64 --layouts d240+r100+15x512+12 --device cpu \
+        --kernels stub                                    # the CUDA path's own torch ops, on a CPU
 
 Why: in the throughput harness the plugin prefills at ~0.5-0.6x in-tree vLLM (benchmarks/RESULTS.md), and an
 8 192-token step of the 130m shape takes ~80 ms where a FLOP estimate of its GPU work is ~10 ms. An engine start
@@ -33,6 +35,12 @@ between), wall_us = wall time per layer with the GPU kept busy (sync after the l
 kernel from torch.profiler, and the per-step estimate build_us + num_layers * wall_us. host_us close to wall_us means the
 path is host-bound: the GPU waits for Python.
 
+``--kernels stub`` runs the CUDA path's own code (the wrappers, plans, gathers, views) on the CPU, with mamba-ssm's
+and causal-conv1d's entry points replaced by stubs that only allocate their outputs (``stub_kernels.py``): no GPU
+needed. Its number is torch_ops, the torch operations a layer calls itself (not those nested in another), each of
+which costs host time on the GPU too; the stubs stand in for the upstream wrappers' own ops with their output
+allocations only. Its host time is not the GPU's: gathers and copies that are launches there move data here.
+
 ``--impls intree`` runs, on the same inputs and state pools, the kernel sequence vLLM's in-tree ``MambaMixer2``
 runs for a prefill-only step (vllm/model_executor/layers/mamba/mamba_mixer2.py, conv_ssm_forward + its gated
 norm): vLLM's Triton ``causal_conv1d_fn`` (in-place on the conv pool), ``mamba_chunk_scan_combined_varlen`` with
@@ -43,6 +51,7 @@ from identical copies of the pools: the in-tree kernels are an independent oracl
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -56,6 +65,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import stub_kernels  # noqa: E402
 import throughput  # noqa: E402
 
 from vllm_mamba2_plugin import compat  # noqa: E402
@@ -282,23 +292,24 @@ def measure(run, dev, iters: int, rows: int):
     host = (time.perf_counter() - t) / iters
     sync(dev)
     wall = (time.perf_counter() - t) / iters
-    kernels = []
-    if dev.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                run()
-            sync(dev)
-        ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-        kernels = [(e.key[:70], round(e.self_device_time_total / iters, 1), e.count // iters) for e in ka
-                   if e.self_device_time_total > 0][:rows]
-        # Where the host time goes (self CPU time per op; profiler overhead inflates all of them alike).
-        kc = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        host_ops = [(e.key[:70], round(e.self_cpu_time_total / iters, 1), e.count // iters) for e in kc][:rows]
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(iters):
+            run()
+        sync(dev)
+    ka = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    kernels = [(e.key[:70], round(e.self_device_time_total / iters, 1), e.count // iters) for e in ka
+               if e.self_device_time_total > 0][:rows] if cuda else []
+    # Where the host time goes (self CPU time per op; profiler overhead inflates all of them alike), and how many
+    # torch ops the layer calls itself (not those nested inside another op).
+    kc = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    host_ops = [(e.key[:70], round(e.self_cpu_time_total / iters, 1), e.count // iters) for e in kc][:rows]
+    top_ops = sum(e.cpu_parent is None and e.name.startswith("aten::") for e in prof.events()) / iters
     return dict(host_us=host * 1e6, wall_us=wall * 1e6,
                 device_us_per_layer=round(sum(k_[1] for k_ in kernels), 1) if kernels else None, kernels=kernels,
-                host_ops=host_ops if dev.type == "cuda" else [])
+                host_ops=host_ops, torch_ops=top_ops)
 
 
 def host_profile(run, dev, iters: int, rows: int) -> str:
@@ -377,6 +388,10 @@ def main():
                     help="the SSM state pool's dtype, or a comma list run one after the other (default: --dtype)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also: synchronising calls (CUDA) and a cProfile of the layer's Python host time")
+    ap.add_argument("--kernels", choices=("device", "stub"), default="device",
+                    help="stub (--device cpu, --impls plugin): the CUDA path's own code with the upstream kernels "
+                         "replaced by stubs that only allocate their outputs (stub_kernels.py): its torch ops, counted "
+                         "on a CPU")
     args = ap.parse_args()
     impls = args.impls.split(",")
     unknown = [i for i in impls if i not in RUNNERS]
@@ -389,11 +404,16 @@ def main():
         ap.error("--block (prefix caching) runs the plugin's path only: --impls plugin")
     if "intree" in impls and dev.type != "cuda":
         ap.error("--impls intree runs vLLM's Triton kernels: it needs --device cuda")
+    if args.kernels == "stub" and (dev.type != "cpu" or impls != ["plugin"]):
+        ap.error("--kernels stub runs the plugin's CUDA path on the CPU: --device cpu --impls plugin")
     layer = make_layer(args.model, dtype, dev)
+    if args.kernels == "stub":
+        layer.norm_in_op = layer.whole_groups  # as on the GPU: the op runs the gated norm (a compiled CPU model not)
     layers = throughput.MODELS[args.model]["num_hidden_layers"]
     holder = [None]
+    stubs = stub_kernels.installed() if args.kernels == "stub" else contextlib.nullcontext()
     # No engine, so no forward context: the mixer's one lookup in it answers with this step's metadata.
-    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]):
+    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]), stubs:
         for state_dtype in state_dtypes:
             run_layouts(args, layer, layers, jobs, holder, dtype, dev, state_dtype)
 
@@ -422,7 +442,8 @@ def run_layouts(args, layer, layers, jobs, holder, dtype, dev, state_dtype):
             r["step_ms_estimate"] = (r["wall_us"] * layers + build_us) / 1e3
             print(f"{args.model} {impl:>6} {spec:>9} T={T}: metadata build {build_us:.0f} us | per layer: "
                   f"host {r['host_us']:.0f} us, wall {r['wall_us']:.0f} us, device {r['device_us_per_layer']} "
-                  f"us | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step", flush=True)
+                  f"us, {r['torch_ops']:.0f} torch ops | x{layers} layers = {r['step_ms_estimate']:.1f} ms per step",
+                  flush=True)
             for name, us, count in r["kernels"]:
                 print(f"    {us:9.1f} us  x{count:<3} {name}")
             if r["host_ops"]:

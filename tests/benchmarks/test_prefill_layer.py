@@ -1,6 +1,7 @@
 """benchmarks/prefill_layer.py's prefix-caching steps (``--block``): the block table it builds and the boundaries
-the plugin's metadata builder reads from it."""
+the plugin's metadata builder reads from it; its ``--kernels stub`` mode (stub_kernels.py)."""
 
+import collections
 import os
 import sys
 from unittest import mock
@@ -9,8 +10,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import prefill_layer  # noqa: E402
+import stub_kernels  # noqa: E402
 
 from vllm_mamba2_plugin import compat  # noqa: E402
+from vllm_mamba2_plugin.kernels.cuda import varlen_plan  # noqa: E402
 
 
 def _layer():
@@ -71,3 +74,30 @@ def test_a_layout_can_give_each_continued_prompt_its_computed_tokens():
     step = prefill_layer.make_step(_layer(), nd, lengths, resumed, torch.float32, torch.device("cpu"),
                                    resume_context=7)
     assert step["context"].tolist() == [600, 600, 64, 7, 0]
+
+
+def test_stub_kernels_run_the_cuda_path_and_count_its_torch_ops():
+    """--kernels stub: a mixed step's layer goes through the CUDA wrappers (the builder's varlen plan, every upstream
+    entry point it needs, once per layer) on the CPU, and measure() counts the torch ops the layer calls."""
+    layer = _layer()
+    layer.norm_in_op = True
+    step = prefill_layer.make_step(layer, 2, [40, 300], [True, False], torch.float32, torch.device("cpu"))
+    calls = collections.Counter()
+
+    def counted(name):
+        fn = getattr(stub_kernels.STUBS, name)
+        return mock.patch.object(stub_kernels.STUBS, name, lambda *a, **k: calls.update([name]) or fn(*a, **k))
+
+    holder = [None]
+    with mock.patch.object(compat, "layer_metadata", lambda prefix: holder[0]), stub_kernels.installed(), \
+            counted("ssd_fwd"), counted("conv_fwd"), counted("conv_update"), counted("selective_state_update"), \
+            counted("layer_norm_fwd"), torch.no_grad():
+        run, _ = prefill_layer.plugin_runner(layer, step, torch.device("cpu"), holder)
+        layer.kv_cache = prefill_layer.fresh_pools(step, torch.float32, torch.device("cpu"))
+        r = prefill_layer.measure(run, torch.device("cpu"), iters=2, rows=5)
+    assert isinstance(holder[0].prefill.plan, varlen_plan.VarlenPlan)
+    layers = 3 + 2 + 2  # measure(): warm-up, timed, profiled
+    assert calls["conv_update"] == calls["selective_state_update"] == layers  # the decode rows
+    assert calls["layer_norm_fwd"] == 2 * layers  # decode rows and prompts, each normed into its rows
+    assert calls["ssd_fwd"] >= layers and calls["conv_fwd"] >= layers
+    assert r["torch_ops"] > 20 and r["kernels"] == [] and r["host_ops"]

@@ -317,12 +317,12 @@ def _patch_first_final(fin_k, res, plan: VarlenPlan, initial_states, chunk_size:
     if end > chunk_size or plan.final_chunks is not None:
         return fin_k
     decay = torch.exp(res.dA_cumsum[0, :, 0, end - 1])  # (H,): exp(sum of dt*A over its tokens), the kernel's
-    # Only its row changes: fixed alone in float32 (casting all S' states to float32 and back cost two full-size
-    # copies per layer of every chunked-prefill step: benchmarks/RESULTS.md).
-    row0 = fin_k[0].to(torch.float32) + decay[:, None, None] * initial_states[first].to(torch.float32)
-    fin_k = fin_k.to(state_dtype)
-    fin_k[0] = row0
-    return fin_k
+    # Only its row changes, in place: one launch that computes in float32 (decay's dtype) and rounds once, in the
+    # wider of the two dtypes (casting all S' states to float32 and back cost two full-size copies per layer of
+    # every chunked-prefill step: benchmarks/RESULTS.md).
+    fin_k = fin_k.to(torch.promote_types(fin_k.dtype, state_dtype))
+    fin_k[0].addcmul_(decay.view(-1, 1, 1), initial_states[first])
+    return fin_k.to(state_dtype)
 
 
 def _row_groups(fwd: _Forward, out, fin_k, plan: VarlenPlan, initial_states, calls: _Calls):
