@@ -2,11 +2,11 @@
 
 ``installed()`` puts these in place of ``kernels/cuda/upstream.kernels()`` (mamba-ssm's SSD forward,
 ``chunk_state_varlen``, state update, gated norm; causal-conv1d's forward and update), each with the signature the
-wrappers call and outputs of the upstream's shapes and dtypes, left uninitialised. What a layer then costs on the
+wrappers call and outputs of the upstream's shapes and dtypes, left uninitialised. What a layer then runs on the
 CPU is the plugin's own host work -- its Python, its torch ops (views, gathers, plan lookups), the tensors it
-allocates -- which on the GPU runs ahead of the kernels and bounds a host-bound step. No launch costs are in it (a
-CUDA launch adds a few microseconds each), and the kernels' own Python wrappers are not run. The values are
-garbage: use it for host time and op counts only (``prefill_layer.py --kernels stub``).
+allocates -- which on the GPU runs ahead of the kernels and bounds a host-bound step. The kernels' own Python
+wrappers are not run. The values are garbage, and the CPU's time is not the GPU's host time (gathers and copies
+move data here, where the GPU launches them): use it to count the torch ops (``prefill_layer.py --kernels stub``).
 """
 
 from __future__ import annotations
